@@ -1,0 +1,119 @@
+"""Per-request view of the block pool: which blocks a request holds, prefix-cache lookups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_utils import compute_block_hashes
+from pagedllm.core.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the hash map.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def _update_block_hashes(self, request: Request) -> None:
+        extra = (request.cache_salt,) if request.cache_salt else None
+        compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, extra)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks matching the request's prefix.
+
+        The last prompt token is never served from cache: its logits are needed to
+        sample the first output token, so at least one token is always computed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_computed
+        return blocks, num_computed
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None if the pool cannot.
+
+        Nothing changes when it returns None, so the scheduler may preempt and retry.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError("num_new_tokens must be positive")
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Cache hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Blocks become cacheable once every token in them is computed, which is
+            # true after this step for all tokens up to num_total.
+            self._update_block_hashes(request)
+            num_full = min(num_total, request.num_tokens) // self.block_size
+            start = self.num_cached_blocks.get(request.request_id, 0)
+            if num_full > start:
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, start, num_full)
+                self.num_cached_blocks[request.request_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, tail first, so that shared prefixes outlive
+        the request-specific suffixes in the LRU order."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,38 @@
+"""What the scheduler tells the model runner for one step: tokens and blocks, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # does this chunk reach the end of the known tokens?
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests that finished since the last step, so the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One sampled token per scheduled request, or None for a partial prefill chunk.
+    sampled_token_ids: list[int | None]

@@ -1,0 +1,194 @@
+"""V1-style scheduler: every request's num_computed_tokens catches up to its num_tokens.
+
+There is no prefill or decode phase. Each step hands out a token budget, running
+requests first (so decodes never starve), then waiting ones; a prompt that does
+not fit the budget is chunked. When blocks run out, a running request is
+preempted (its blocks freed, to be recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or otherwise end) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ---- scheduling -------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # FCFS: the newest running request
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv_cache_manager.allocate_slots(request, num_new) is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                    i -= 1
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.request_id in preempted:
+                continue  # `i` already points at the next request
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step already had to preempt.
+        while (
+            not preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache_manager.allocate_slots(
+                request, num_new, computed_blocks, num_computed
+            ) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._build_output(num_scheduled, preempted)
+
+    def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
+        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        for request in self.running:
+            n = num_scheduled.get(request.request_id)
+            if n is None:
+                continue
+            start = request.num_computed_tokens
+            out.scheduled.append(
+                ScheduledRequest(
+                    req_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + n],
+                    start_pos=start,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    sample=start + n >= request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            # Advance now, so the next schedule() sees these tokens as in flight.
+            request.num_computed_tokens = start + n
+            out.total_num_scheduled_tokens += n
+        return out
+
+    # ---- after the forward pass ------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
+        """Append sampled tokens, apply stop conditions; returns (updated, finished)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if token is None or request is None or request.is_finished():
+                continue
+            request.append_output_token_ids(token)
+            updated.append(request)
+            if self._check_stop(request, token):
+                self.running.remove(request)
+                self._free_request(request)
+                finished.append(request)
+        return updated, finished
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

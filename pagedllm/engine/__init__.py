@@ -1,0 +1,20 @@
+"""Messages between the front end and the engine core."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request after one step; plain data so it can cross a process boundary."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0

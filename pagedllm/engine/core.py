@@ -1,0 +1,82 @@
+"""The engine core: schedule → execute → update, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import EngineCoreRequest, Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        num_blocks = self.model_runner.determine_num_blocks()
+        cache, sched = config.cache_config, config.scheduler_config
+        capacity = num_blocks * cache.block_size
+        if capacity < sched.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={sched.max_model_len}; raise kv_cache_memory or lower max_model_len"
+            )
+        cache.num_blocks = num_blocks
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(sched, cache)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
+                    num_blocks * self.model_runner.bytes_per_block() / 2**20)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(r.request_id, [], "abort") for r in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return EngineCoreOutputs(timestamp=time.time())
+        runner_out = self.model_runner.execute_model(sched_out)
+        updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = [
+            EngineCoreOutput(
+                request_id=r.request_id,
+                new_token_ids=[r.output_token_ids[-1]],
+                finish_reason=r.get_finished_reason(),
+                stop_reason=r.stop_reason,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+            )
+            for r in updated
+        ]
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    # ---- stats ------------------------------------------------------------
+    def get_stats(self) -> dict[str, float]:
+        kv = self.scheduler.kv_cache_manager
+        pc = kv.prefix_cache_stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.get_num_free_blocks(),
+            "num_total_blocks": kv.block_pool.num_blocks,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,37 @@
+"""Incremental detokenization: text grows token by token, multi-byte safe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# How many prompt tokens prime the stream, so the first output token gets its
+# leading space (SentencePiece) or merges (byte-level BPE) right.
+_PRIME_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.output_text = ""
+        self._stream = None
+        self._ids: list[int] = []
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(
+                ids=list(prompt_token_ids[-_PRIME_TOKENS:]), skip_special_tokens=skip_special_tokens
+            )
+
+    def update(self, token_id: int) -> str:
+        """Add one token; returns the newly completed text (may be empty)."""
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id) or ""
+        else:  # slow tokenizers: decode everything and diff
+            self._ids.append(token_id)
+            text = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+            piece = "" if text.endswith("\ufffd") else text[len(self.output_text):]
+        self.output_text += piece
+        return piece

@@ -1,0 +1,52 @@
+"""Attention metadata for the current forward pass, set once per step by the runner.
+
+Keeping it in a context (not in forward() arguments) lets every model keep the
+signature `forward(input_ids, positions)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One request whose query has more than one token (or context before it)."""
+
+    token_start: int  # offset into the flattened batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks] int64, enough blocks for context + query
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
+    num_tokens: int
+    # Decode requests (query of one token) are batched into one padded attention call.
+    decode_token_idx: torch.Tensor | None  # [num_decodes] positions in the flat batch
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the new token
+    decode_max_seq_len: int
+    prefills: list[PrefillSegment]
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(metadata: AttentionMetadata | None) -> Iterator[None]:
+    global _current
+    prev, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = prev
+
+
+def get_attention_metadata() -> AttentionMetadata | None:
+    return _current

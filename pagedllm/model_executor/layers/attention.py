@@ -1,0 +1,130 @@
+"""Paged attention in plain torch: K/V live in fixed-size blocks, read through block tables.
+
+Every call first scatters the step's new K/V into their slots (slot_mapping), then
+- batches all one-token queries (decodes) into one padded SDPA call over their
+  blocks, masked by sequence length (and sliding window);
+- runs each multi-token query (prefill chunk) as its own SDPA call with a causal
+  mask offset by the tokens already in its cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.forward_context import AttentionMetadata, PrefillSegment, get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] → [T, Hq, D]."""
+        md = get_attention_metadata()
+        if md is None or self.kv_cache.numel() == 0:
+            return self._causal(q, k, v)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        block_size = k_cache.shape[1]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if md.decode_token_idx is not None:
+            out[md.decode_token_idx] = self._decode(q[md.decode_token_idx], k_cache, v_cache, md, block_size)
+        for seg in md.prefills:
+            rows = slice(seg.token_start, seg.token_start + seg.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        tables = md.decode_block_tables
+        num_seqs, num_blocks = tables.shape
+        max_len = num_blocks * block_size
+        keys = k_cache[tables].view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        values = v_cache[tables].view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        pos = torch.arange(max_len, device=q.device)
+        seq_lens = md.decode_seq_lens[:, None]
+        mask = pos[None, :] < seq_lens
+        if self.sliding_window is not None:
+            mask &= pos[None, :] >= seq_lens - self.sliding_window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seg: PrefillSegment,
+    ) -> torch.Tensor:
+        if seg.context_len == 0:
+            return self._causal(q, k, v)
+        total = seg.context_len + seg.query_len
+        keys = k_cache[seg.block_table].view(-1, self.num_kv_heads, self.head_dim)[:total]
+        values = v_cache[seg.block_table].view(-1, self.num_kv_heads, self.head_dim)[:total]
+        q_pos = torch.arange(seg.context_len, total, device=q.device)[:, None]
+        k_pos = torch.arange(total, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        return self._sdpa(q, keys, values, mask=mask)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention among the new tokens alone (no cached context)."""
+        n = q.shape[0]
+        if self.sliding_window is None or n <= self.sliding_window:
+            return self._sdpa(q, k, v, is_causal=True)
+        pos = torch.arange(n, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.sliding_window)
+        return self._sdpa(q, k, v, mask=mask)
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.transpose(0, 1)

@@ -1,0 +1,261 @@
+"""Turn a GGUF file into a cached Hugging Face-style checkpoint directory.
+
+The rest of the engine only loads HF directories (config.json, tokenizer files,
+model.safetensors). Rather than teach every model class about GGUF names, quantized
+blocks and llama.cpp's weight fix-ups, we convert once: dequantize to float32, rename to
+HF parameter names, undo llama.cpp's transformations, and cache the result keyed by the
+source file's (absolute path, size, mtime).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF `general.architecture` -> HF `architectures` entry, keyed by HF model_type.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma3 has four norms per layer; llama.cpp's `ffn_norm` is the *pre*-FFN one there.
+_BLOCK_GEMMA3 = {
+    **_BLOCK,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Tensors llama.cpp adds that HF recomputes from the config (llama3 rope scaling factors).
+_IGNORED = {"rope_freqs.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+_DONE = "done"
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    root = cache_dir or os.environ.get("PAGEDLLM_CACHE_DIR") or "~/.cache/pagedllm"
+    return Path(root).expanduser() / "gguf"
+
+
+def _cache_key(path: str) -> str:
+    st = os.stat(path)  # FileNotFoundError for a missing file, on purpose
+    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
+    """Return a directory with config.json, generation_config.json, tokenizer files and
+    model.safetensors (float32, HF parameter names) converted from the GGUF file; cached
+    by (absolute path, size, mtime) so the second call is instant."""
+    src = os.path.abspath(os.fspath(gguf_path))
+    key = _cache_key(src)
+    root = _cache_root(cache_dir)
+    final = root / key
+    if (final / _DONE).is_file():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(root, key)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=root))
+    try:
+        _convert_into(src, tmp)
+        (tmp / _DONE).write_text("ok\n")
+        _make_readable(tmp)
+        if final.exists() and not (final / _DONE).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # leftover without marker: not trusted
+        try:
+            os.rename(tmp, final)  # atomic: readers see nothing or a complete directory
+        except OSError:
+            if not (final / _DONE).is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only entries; a shared cache must be readable."""
+    directory.chmod(0o755)
+    for entry in directory.iterdir():
+        entry.chmod(0o644)
+
+
+def _remove_stale_tmp_dirs(root: Path, key: str) -> None:
+    """Delete temp dirs of this key left by dead processes (a killed conversion is ~1 GB)."""
+    for tmp in root.glob(f".tmp-{key}-*"):
+        try:
+            os.kill(int(tmp.name.split("-")[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
+def _open_reader(src: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(src)
+    except Exception as exc:  # bad magic, truncated or empty file, unsupported version
+        raise ValueError(f"{src} is not a readable GGUF file: {exc}") from exc
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _convert_into(src: str, out: Path) -> None:
+    """Write the whole HF-style checkpoint for `src` into the (empty) directory `out`."""
+    reader = _open_reader(src)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {src}; supported: {SUPPORTED_GGUF_ARCHS}"
+        )
+    # Transformers' helpers resolve `dir/file`; link the file into `out` so they never pick up
+    # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
+    link = out / "_source.gguf"
+    os.symlink(src, link)
+    try:
+        config = _build_config(str(link), reader, arch)
+        config.save_pretrained(out)
+        tokenizer = _build_tokenizer(out, link.name, config.model_type)
+        tokenizer.save_pretrained(out)
+    finally:
+        link.unlink()
+    _build_generation_config(reader, config, tokenizer).save_pretrained(out)
+    _write_weights(reader, arch, config, out / "model.safetensors")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    meta = {"source": src, "architecture": arch, "add_bos_token": add_bos}
+    (out / "gguf_source.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _build_config(link: str, reader: Any, arch: str) -> Any:
+    """HF config from the GGUF metadata, via transformers' own GGUF config mapping."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(link, return_tensors=False)["config"]
+    cfg.pop("_model_name_or_path", None)
+    config = AutoConfig.for_model(**cfg)
+    config.architectures = [_ARCHITECTURES[config.model_type]]
+    config.dtype = torch.float32
+    # Some mappings (qwen2/qwen3) drop the head size and fall back to the class default.
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(head_dim)
+    # Transformers leaves special ids at the config class defaults; the GGUF knows better.
+    for attr, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            setattr(config, attr, int(value))
+    return config
+
+
+def _build_tokenizer(dirname: Path, filename: str, model_type: str) -> Any:
+    """Build the tokenizer directly from its class: AutoTokenizer would re-read the whole
+    GGUF (another ~10 s on a 262k vocab) just to rediscover the config we already have."""
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers 4.x: no shortcut, pay for the extra read
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(dirname), gguf_file=filename)
+
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = tokenizer_class_from_name(name) if name else None
+    if cls is None or name in ("MistralCommonBackend", "PythonBackend"):
+        cls = TokenizersBackend
+    return cls.from_pretrained(str(dirname), gguf_file=filename)
+
+
+def _build_generation_config(reader: Any, config: Any, tokenizer: Any) -> Any:
+    from transformers import GenerationConfig
+
+    eos: list[int] = [config.eos_token_id] if config.eos_token_id is not None else []
+    if config.model_type == "gemma3_text" and len(tokenizer) > 106:
+        if tokenizer.convert_ids_to_tokens(106) == "<end_of_turn>" and 106 not in eos:
+            eos.append(106)  # chat turns end with <end_of_turn>, not <eos>
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+        pad_token_id=config.pad_token_id,
+    )
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    if gguf_name in _IGNORED:
+        return None
+    table = _BLOCK_GEMMA3 if arch == "gemma3" else _BLOCK
+    if (m := _BLOCK_RE.match(gguf_name)) and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
+    if (m := _TOP_RE.match(gguf_name)) and m.group(1) in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"Don't know the HF name of GGUF tensor {gguf_name!r} ({arch})")
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave (it converts HF's rotate-half rope layout to
+    GGUF's adjacent-pairs layout by permuting rows within each head)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _fix_up(w: np.ndarray, gguf_name: str, arch: str, config: Any) -> np.ndarray:
+    """Reverse what llama.cpp's converter did to this tensor (as transformers does)."""
+    if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        heads = config.num_attention_heads
+        if ".attn_k." in gguf_name:
+            heads = config.num_key_value_heads
+        return _unpermute_rows(w, heads)
+    if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        return w - 1.0  # Gemma's RMSNorm scales by (1 + w); llama.cpp stores 1 + w
+    return w
+
+
+def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name, arch)
+        if hf is None:
+            continue
+        w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
+        w = _fix_up(w, t.name, arch, config)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    save_file(tensors, str(path), metadata={"format": "pt"})

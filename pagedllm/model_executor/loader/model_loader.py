@@ -1,0 +1,23 @@
+"""Build the model for a config and fill it from the checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
+from pagedllm.model_executor.models.registry import resolve_model_cls
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    model_cls = resolve_model_cls(model_config.architecture)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(model_config.text_config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    model.load_weights(iterate_safetensors(model_config.model_path))
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,126 @@
+"""Gemma 3 (text): sliding-window and global layers with their own rope bases,
+q/k RMSNorm, four norms per layer, embeddings scaled by sqrt(hidden_size)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.activation import get_act_and_mul
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
+from pagedllm.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = bool(config.attention_bias)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            config.query_pre_attn_scalar**-0.5,
+            config.sliding_window if is_sliding else None,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter})
+        self.down_proj = Linear(inter, config.hidden_size)
+        self.act_fn = get_act_and_mul(config.hidden_activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        ropes = {}
+        for layer_type in sorted(set(config.layer_types)):
+            inv_freq, scaling = compute_inv_freq(config, config.head_dim, layer_type)
+            ropes[layer_type] = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, ropes[config.layer_types[i]])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # The scale is rounded to the activation dtype first, as the reference does.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    packed_modules_mapping = PACKED_MODULES
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden, softcap=self.final_logit_softcapping)
+
+    def load_weights(self, weights) -> set[str]:
+        return load_weights(self, weights)

@@ -1,0 +1,140 @@
+"""Llama decoder (also Mistral); Qwen2 and Qwen3 reuse it with bias / q-k norm switched on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.activation import get_act_and_mul
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.qkv_proj = QKVLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=qkv_bias or attention_bias,
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        layer_types = getattr(config, "layer_types", None)
+        sliding = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            sliding = sliding if layer_types[layer_idx] == "sliding_attention" else None
+        elif not getattr(config, "use_sliding_window", True):
+            sliding = None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, sliding
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        inv_freq, scaling = compute_inv_freq(config, head_dim_of(config))
+        # One cos/sin table shared by every layer.
+        rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = PACKED_MODULES
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights) -> set[str]:
+        return load_weights(self, weights)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,170 @@
+"""Turns a SchedulerOutput into tensors, runs the forward pass, samples.
+
+The runner knows tensors, never queues: it gets token ids, positions and block
+ids per request and returns one sampled token per request that is due.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import psutil
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.forward_context import AttentionMetadata, PrefillSegment, set_forward_context
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata
+from pagedllm.model_executor.loader.model_loader import get_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device_config.device
+        self.block_size = config.cache_config.block_size
+        self.model = get_model(config.model_config, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.generators: dict[str, torch.Generator] = {}
+        seed_gen = torch.Generator(device=self.device)
+        seed_gen.manual_seed(config.model_config.seed)
+        self.sampler = Sampler(seed_gen)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ---------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        return sum(
+            2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attn_layers
+        )
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override:
+            return cache.num_gpu_blocks_override
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cache.gpu_memory_utilization)
+            else:
+                # KV pages are touched only as they fill, but cap the reservation so the
+                # engine coexists with the rest of the machine.
+                budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+        return max(1, budget // self.bytes_per_block())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.config.model_config.dtype
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            kv = torch.zeros(
+                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                dtype=dtype, device=self.device,
+            )
+            layer.kv_cache = kv
+            self.kv_caches.append(kv)
+
+    # ---- one step ---------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.generators.pop(req_id, None)
+        reqs = sched.scheduled
+        if not reqs:
+            return ModelRunnerOutput([], [])
+        bs = self.block_size
+        num_reqs = len(reqs)
+        query_lens = np.fromiter((len(r.token_ids) for r in reqs), np.int64, num_reqs)
+        starts = np.fromiter((r.start_pos for r in reqs), np.int64, num_reqs)
+        cu_end = np.cumsum(query_lens)
+        cu_start = cu_end - query_lens
+        total = int(cu_end[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = np.arange(total) - cu_start[req_of_token] + starts[req_of_token]
+        seq_lens = starts + query_lens
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_table = np.zeros((num_reqs, max_blocks), np.int64)
+        for i, r in enumerate(reqs):
+            n = min(len(r.block_ids), max_blocks)
+            block_table[i, :n] = r.block_ids[:n]
+        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, total)
+
+        dev = self.device
+        is_decode = (query_lens == 1) & (starts > 0)
+        decode_rows = np.nonzero(is_decode)[0]
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_tokens=total,
+            decode_token_idx=None,
+            decode_block_tables=None,
+            decode_seq_lens=None,
+            decode_max_seq_len=0,
+            prefills=[],
+        )
+        if len(decode_rows):
+            d_lens = seq_lens[decode_rows]
+            d_blocks = int(-(-d_lens.max() // bs))
+            md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(dev)
+            md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(dev)
+            md.decode_seq_lens = torch.from_numpy(d_lens).to(dev)
+            md.decode_max_seq_len = int(d_lens.max())
+        for i in np.nonzero(~is_decode)[0]:
+            n_blocks = int(-(-seq_lens[i] // bs))
+            md.prefills.append(
+                PrefillSegment(
+                    token_start=int(cu_start[i]),
+                    query_len=int(query_lens[i]),
+                    context_len=int(starts[i]),
+                    block_table=torch.from_numpy(block_table[i, :n_blocks]).to(dev),
+                )
+            )
+
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        with set_forward_context(md):
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+            )
+        sampled: list[int | None] = [None] * num_reqs
+        if sample_rows:
+            logits_idx = torch.from_numpy(cu_end[sample_rows] - 1).to(dev)
+            logits = self.model.compute_logits(hidden[logits_idx])
+            token_ids = self.sampler(logits, self._sampling_metadata([reqs[i] for i in sample_rows]))
+            for row, tok in zip(sample_rows, token_ids.tolist()):
+                sampled[row] = tok
+        return ModelRunnerOutput([r.req_id for r in reqs], sampled)
+
+    def _sampling_metadata(self, reqs) -> SamplingMetadata:
+        params = [r.sampling_params for r in reqs]
+        greedy = [p.greedy for p in params]
+        dev = self.device
+        if all(greedy):
+            return SamplingMetadata(
+                temperature=None, top_k=None, top_p=None, greedy=None, all_greedy=True, generators={}
+            )
+        generators = {}
+        for row, (r, p) in enumerate(zip(reqs, params)):
+            if p.seed is not None and not p.greedy:
+                gen = self.generators.get(r.req_id)
+                if gen is None:
+                    gen = torch.Generator(device=dev)
+                    gen.manual_seed(p.seed)
+                    self.generators[r.req_id] = gen
+                generators[row] = gen
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        return SamplingMetadata(
+            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                     dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, device=dev) if any(top_k) else None,
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev) if min(top_p) < 1.0 else None,
+            greedy=torch.tensor(greedy, device=dev),
+            all_greedy=False,
+            generators=generators,
+        )

@@ -1,0 +1,137 @@
+"""Tiny random-weight checkpoints built from transformers configs, and reference runs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in "
+    "fixed-size blocks. Hello, my name is Ada and I like tea, cake and numbers 0123456789. "
+    "Schedulers batch requests; caches share prefixes; tokens stream out one by one. "
+    "Unicode: café, naïve, 日本語, emoji 🎉 ✓."
+)
+
+
+def build_tokenizer(path: str, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a small corpus, saved as HF files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, head_dim=16)
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, head_dim=16, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16)
+    elif arch == "gemma3":
+        common.update(tie_word_embeddings=True)
+        cfg = Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=8,  # tiny, so prompts cross it
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
+    """Save a random-weight model + tokenizer to `path`; returns `path`."""
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    cfg = tiny_config(arch, len(tok), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: less flat, fewer ties
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """transformers' greedy generate, one prompt at a time (no padding effects),
+    with per-step logits so near-ties can be recognised."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for ids in prompts:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        tokens = out.sequences[0, len(ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+        results.append({"tokens": tokens, "logprobs": logprobs})
+    return results
+
+
+def assert_greedy_match(ours: list[list[int]], ref: list[dict], tol: float = 1e-3) -> None:
+    """Equal token for token, or diverging only where the reference's top two are near-tied
+    (after which the continuations legitimately differ)."""
+    for i, (got, r) in enumerate(zip(ours, ref)):
+        want = r["tokens"]
+        for pos, (a, b) in enumerate(zip(got, want)):
+            if a == b:
+                continue
+            lp = r["logprobs"][pos]
+            top2 = lp.topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < tol and float(lp[b] - lp[a]) < tol, (
+                f"prompt {i}: token {pos} differs ({a} vs {b}), top-2 gap {gap:.2e} is no tie\n"
+                f"ours={got}\nref ={want}"
+            )
+            break
+        else:
+            assert len(got) == len(want), f"prompt {i}: length {len(got)} vs {len(want)}"
