@@ -91,16 +91,24 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
-            # Blocks become cacheable once every token in them is computed, which is
-            # true after this step for all tokens up to num_total.
-            self._update_block_hashes(request)
-            num_full = min(num_total, request.num_tokens) // self.block_size
-            start = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full > start:
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, start, num_full)
-                self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are now full of computed tokens.
+
+        Called after the forward pass, not at allocation: a block is findable only
+        once its K/V really are in the cache, so a request preempted before its step
+        ran can never leave a hash pointing at garbage.
+        """
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full > start:
+            blocks = self.req_to_blocks[request.request_id]
+            self.block_pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
+            self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first, so that shared prefixes outlive

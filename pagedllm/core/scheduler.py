@@ -168,8 +168,11 @@ class Scheduler:
         finished: list[Request] = []
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if token is None or request is None or request.is_finished():
-                continue
+            if request is None or request.is_finished():
+                continue  # aborted while its step ran
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
             request.append_output_token_ids(token)
             updated.append(request)
             if self._check_stop(request, token):

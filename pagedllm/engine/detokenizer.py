@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._stream = None
         self._ids: list[int] = []
+        self._pending: list[int] = []  # tokens the stream holds back (incomplete UTF-8)
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is not None:
             from tokenizers.decoders import DecodeStream
@@ -28,10 +29,25 @@ class IncrementalDetokenizer:
     def update(self, token_id: int) -> str:
         """Add one token; returns the newly completed text (may be empty)."""
         if self._stream is not None:
-            piece = self._stream.step(self._backend, token_id) or ""
+            piece = self._stream.step(self._backend, token_id)
+            if piece is None:
+                self._pending.append(token_id)
+                piece = ""
+            else:
+                self._pending.clear()
         else:  # slow tokenizers: decode everything and diff
             self._ids.append(token_id)
             text = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
             piece = "" if text.endswith("\ufffd") else text[len(self.output_text):]
+        self.output_text += piece
+        return piece
+
+    def finalize(self) -> str:
+        """At the end, bytes still held back are decoded as they are (U+FFFD for
+        invalid UTF-8), as a full decode would."""
+        if not self._pending:
+            return ""
+        piece = self.tokenizer.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+        self._pending.clear()
         self.output_text += piece
         return piece

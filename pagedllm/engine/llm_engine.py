@@ -7,7 +7,7 @@ from typing import Any
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import PromptType, Processor
+from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.model_executor.loader.tokenizer import get_eos_token_ids, get_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams

@@ -63,6 +63,8 @@ class OutputProcessor:
                     state.detokenizer.update(tok)
             finished = out.finish_reason is not None
             if finished:
+                if state.detokenizer is not None:
+                    state.detokenizer.finalize()
                 m.finished_time = now
                 del self.request_states[out.request_id]
             results.append(self._make_output(state, out, finished))

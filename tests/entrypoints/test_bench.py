@@ -1,0 +1,90 @@
+"""`pagedllm bench throughput|latency` on a tiny random-weight model, both backends."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedllm.entrypoints.cli.bench import add_bench_parser, run_latency, run_throughput
+from tests.utils import make_tiny_model
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 8, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def _engine_flags(model_dir: str) -> list[str]:
+    return ["--model", model_dir, "--device", "cpu", "--kv-cache-memory", "4MiB"]
+
+
+@pytest.mark.parametrize("backend", ["pagedllm", "transformers"])
+def test_throughput(model_dir: str, backend: str, tmp_path, capsys) -> None:
+    out_json = tmp_path / "tp.json"
+    args = _parse(["bench", "throughput", *_engine_flags(model_dir), "--backend", backend,
+                   "--num-prompts", str(NUM_PROMPTS), "--input-len", str(INPUT_LEN),
+                   "--output-len", str(OUTPUT_LEN), "--hf-batch-size", "3",
+                   "--output-json", str(out_json)])
+    assert args.func.__name__ == "_throughput_cmd"
+    m = run_throughput(args)
+    assert m["backend"] == backend
+    assert m["num_requests"] == NUM_PROMPTS
+    assert m["num_prompt_tokens"] == NUM_PROMPTS * INPUT_LEN
+    assert m["num_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    for key in ("startup_time_s", "elapsed_time_s", "requests_per_second",
+                "output_tokens_per_second", "total_tokens_per_second"):
+        assert m[key] > 0, key
+    assert json.loads(out_json.read_text()) == m
+    printed = capsys.readouterr().out
+    assert "Engine startup time:" in printed and "output tokens/s" in printed
+
+
+def test_throughput_dataset_and_cli_exit_code(model_dir: str, tmp_path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Hello, my name is"}\n{"prompt": "The quick brown fox"}\n')
+    args = _parse(["bench", "throughput", *_engine_flags(model_dir), "--dataset", str(data),
+                   "--num-prompts", "3", "--output-len", str(OUTPUT_LEN)])
+    assert args.func(args) == 0  # what the CLI main turns into the exit status
+    m = run_throughput(args)
+    assert m["num_requests"] == 3 and m["num_output_tokens"] == 3 * OUTPUT_LEN
+
+
+def test_random_prompts_are_fixed_and_avoid_special_tokens(model_dir: str) -> None:
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.cli.bench import _load_tokenizer, _random_prompts
+
+    config = EngineArgs(model=model_dir, device="cpu").create_engine_config()
+    tok = _load_tokenizer(config)
+    a = _random_prompts(config, tok, 16, 32)
+    assert a == _random_prompts(config, tok, 16, 32)
+    flat = {t for p in a for t in p}
+    assert not flat & set(tok.all_special_ids)
+    assert all(0 <= t < len(tok) for t in flat)
+
+
+def test_latency(model_dir: str, tmp_path, capsys) -> None:
+    out_json = tmp_path / "lat.json"
+    args = _parse(["bench", "latency", *_engine_flags(model_dir), "--batch-size", "2",
+                   "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+                   "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out_json)])
+    assert args.func(args) == 0
+    m = run_latency(args)
+    assert m["num_output_tokens"] == 2 * OUTPUT_LEN
+    assert len(m["latencies_s"]) == 2
+    for key in ("startup_time_s", "avg_latency_s", "avg_ttft_ms", "avg_tpot_ms",
+                "output_tokens_per_second", "decode_tokens_per_second_per_seq"):
+        assert m[key] > 0, key
+    assert m["avg_ttft_ms"] < m["avg_latency_s"] * 1000
+    assert json.loads(out_json.read_text()) == m
+    printed = capsys.readouterr().out
+    assert "TTFT:" in printed and "TPOT:" in printed and "Avg latency:" in printed

@@ -1,0 +1,219 @@
+"""Tests for the GGUF -> HF checkpoint directory converter."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pagedllm.model_executor.loader.gguf_loader import convert_gguf  # noqa: E402
+
+H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
+Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _byte_vocab() -> tuple[list[str], list[str]]:
+    """A GPT-2 style byte-level vocab: the 256 byte symbols, three merges and two specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens += ["Ġt", "he", "Ġthe", "<|bos|>", "<|eos|>"]
+    return tokens, merges
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama q/k rows (HF rotate-half -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
+    """Write a random tiny model; return the HF state dict the converter should produce."""
+    rng = np.random.default_rng(0)
+    tokens, merges = _byte_vocab()
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_key_length(HEAD_DIM)  # qwen3's head_dim (16) differs from Qwen3Config's default
+    w.add_value_length(HEAD_DIM)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 2) + [3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab - 2)
+    w.add_eos_token_id(vocab - 1)
+    w.add_add_bos_token(True)
+
+    expected: dict[str, np.ndarray] = {}
+
+    def put(
+        gguf_name: str, hf_name: str, shape: tuple[int, ...], quant: bool = False, permute_heads: int = 0
+    ) -> None:
+        hf = rng.standard_normal(shape).astype(np.float32) * 0.1
+        stored = _llama_cpp_permute(hf, permute_heads) if permute_heads else hf
+        if quant:
+            packed = gguf.quantize(stored, Q8)
+            w.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=Q8)
+            # Q8_0 blocks live within a row, so row permutation commutes with the round trip.
+            hf = gguf.dequantize(gguf.quantize(hf, Q8), Q8)
+        else:
+            w.add_tensor(gguf_name, stored)
+        expected[hf_name] = hf
+
+    llama = arch == "llama"
+    put("token_embd.weight", "model.embed_tokens.weight", (vocab, H), quant=True)
+    put("output_norm.weight", "model.norm.weight", (H,))
+    if llama:  # untied head; qwen3 ties it to the embeddings
+        put("output.weight", "lm_head.weight", (vocab, H))
+    for i in range(LAYERS):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        put(b + "attn_norm.weight", p + "input_layernorm.weight", (H,))
+        put(
+            b + "attn_q.weight",
+            p + "self_attn.q_proj.weight",
+            (HEADS * HEAD_DIM, H),
+            permute_heads=HEADS if llama else 0,
+        )
+        put(
+            b + "attn_k.weight",
+            p + "self_attn.k_proj.weight",
+            (KV_HEADS * HEAD_DIM, H),
+            quant=True,
+            permute_heads=KV_HEADS if llama else 0,
+        )
+        put(b + "attn_v.weight", p + "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, H))
+        put(b + "attn_output.weight", p + "self_attn.o_proj.weight", (H, HEADS * HEAD_DIM), quant=True)
+        if not llama:
+            put(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", (HEAD_DIM,))
+            put(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", (HEAD_DIM,))
+        put(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", (H,))
+        put(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", (INTER, H), quant=True)
+        put(b + "ffn_up.weight", p + "mlp.up_proj.weight", (INTER, H))
+        put(b + "ffn_down.weight", p + "mlp.down_proj.weight", (H, INTER), quant=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src = tmp_path / "src" / f"tiny-{arch}.gguf"
+    src.parent.mkdir()
+    expected = _write_tiny_gguf(src, arch)
+    cache = tmp_path / "cache"
+
+    out = convert_gguf(str(src), cache_dir=str(cache))
+    assert Path(out).parent == cache / "gguf"
+    assert [p.name for p in (cache / "gguf").iterdir()] == [Path(out).name]  # no temp left over
+
+    config = json.loads((Path(out) / "config.json").read_text())
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert config.get("dtype", "float32") == "float32"
+    assert config["head_dim"] == HEAD_DIM
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.bos_token_id, gen.eos_token_id) == (
+        len(expected["model.embed_tokens.weight"]) - 2,
+        len(expected["model.embed_tokens.weight"]) - 1,
+    )
+    source = json.loads((Path(out) / "gguf_source.json").read_text())
+    assert source == {"source": str(src), "architecture": arch, "add_bos_token": True}
+
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    state = model.state_dict()
+    for name, want in expected.items():
+        torch.testing.assert_close(state[name], torch.from_numpy(want), rtol=0, atol=0, msg=name)
+    if arch == "qwen3":
+        assert model.config.tie_word_embeddings
+        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+    # The tokenizer matches what transformers builds from the GGUF, and honours add_bos_token.
+    tok = AutoTokenizer.from_pretrained(out)
+    ref = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    for text in ["the theme", " the cat", "héllo <|eos|>"]:
+        assert tok(text).input_ids == ref(text).input_ids
+    assert tok("the").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>")
+
+    if arch == "llama":  # transformers un-permutes q/k itself: both must compute the same thing
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=torch.float32
+        )
+        ids = torch.tensor([[3, 70, 200, 5, 9]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref_model(ids).logits)
+
+    start = time.perf_counter()
+    assert convert_gguf(str(src), cache_dir=str(cache)) == out
+    assert time.perf_counter() - start < 1.0
+
+    os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched file -> new entry
+    assert convert_gguf(str(src), cache_dir=str(cache)) != out
+
+
+def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"definitely not a gguf file" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        convert_gguf(str(bogus), cache_dir=str(tmp_path / "cache"))
+
+    other = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(other), "bert")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="bert"):
+        convert_gguf(str(other), cache_dir=str(tmp_path / "cache"))
+    # Failed conversions leave no partial cache entries behind.
+    assert not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loading() -> None:
+    """Uses the default cache on purpose: repeated runs reuse the ~1 GB conversion."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.model_executor.loader.default_model import resolve_default_model
+
+    path = resolve_default_model()
+    out = convert_gguf(path)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("Hello, my name is", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == 2  # <bos>
+    eos = json.loads((Path(out) / "generation_config.json").read_text())["eos_token_id"]
+    assert eos == [1, 106]
+
+    def greedy(model: torch.nn.Module) -> list[int]:
+        with torch.no_grad():
+            seq = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+        return seq[0, ids.shape[1] :].tolist()
+
+    ours = greedy(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
+    theirs = greedy(
+        AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
+    )
+    assert ours == theirs, (tok.decode(ours), tok.decode(theirs))

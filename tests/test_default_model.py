@@ -1,0 +1,59 @@
+"""The real default model (Gemma 3 270M, Q4_K_M GGUF) against transformers loading the
+same GGUF, float32. Slow: minutes on two cores, so only a handful of such tests exist."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.utils import assert_greedy_match
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20)
+
+
+def test_default_model_greedy_matches_transformers(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model_executor.loader.default_model import resolve_default_model
+
+    gguf_path = resolve_default_model()
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
+    tok = default_llm.get_tokenizer()
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    assert all(ids[0] == tok.bos_token_id for ids in prompt_ids), "GGUF add_bos_token not honoured"
+
+    ref = []
+    for ids in prompt_ids:
+        out = ref_model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        )
+        ref.append({
+            "tokens": out.sequences[0, len(ids):].tolist(),
+            "logprobs": [torch.log_softmax(s[0].float(), -1) for s in out.logits],
+        })
+    del ref_model
+
+    from pagedllm import SamplingParams
+
+    outs = default_llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
+    assert [o.prompt_token_ids for o in outs] == prompt_ids
+    assert_greedy_match([o.outputs[0].token_ids for o in outs], ref)
+    # The text reads as the reference decodes it.
+    assert outs[0].outputs[0].text == tok.decode(ref[0]["tokens"], skip_special_tokens=True)
