@@ -54,12 +54,15 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed = len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission, not per lookup: a request that waits at the head of
+        the queue is looked up every step."""
         stats = self.prefix_cache_stats
         stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_computed
-        return blocks, num_computed
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -125,6 +125,8 @@ class Scheduler:
             ) is None:
                 break
             self.waiting.pop()
+            if self.kv_cache_manager.enable_caching:
+                self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_computed)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -182,7 +184,11 @@ class Scheduler:
         return updated, finished
 
     def _check_stop(self, request: Request, token: int) -> bool:
+        """Length first (as vLLM): an EOS that is also the last allowed token is "length"."""
         params = request.sampling_params
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -191,7 +197,4 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
         return False

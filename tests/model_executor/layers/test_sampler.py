@@ -1,0 +1,70 @@
+"""The batched sampler: greedy rows, temperature, top-k / top-p masks, seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+
+
+def _md(n, temperature=1.0, top_k=None, top_p=None, greedy=None, generators=None):
+    greedy = greedy if greedy is not None else [False] * n
+    return SamplingMetadata(
+        temperature=torch.full((n,), float(temperature)),
+        top_k=None if top_k is None else torch.tensor(top_k),
+        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        greedy=torch.tensor(greedy),
+        all_greedy=all(greedy),
+        generators=generators or {},
+    )
+
+
+def test_top_k_keeps_exactly_k_per_row():
+    logits = torch.randn(3, 50)
+    out = apply_top_k_top_p(logits, torch.tensor([1, 5, 0]), None)
+    kept = torch.isfinite(out).sum(-1).tolist()
+    assert kept == [1, 5, 50]  # 0 = off
+    top5 = logits[1].topk(5).indices
+    assert set(torch.nonzero(torch.isfinite(out[1])).flatten().tolist()) == set(top5.tolist())
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    out = apply_top_k_top_p(logits, None, torch.tensor([0.7, 1.0]))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]  # 0.5 + 0.3 >= 0.7
+    assert torch.isfinite(out[1]).all()
+    out = apply_top_k_top_p(logits, torch.tensor([1, 0]), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(out).sum(-1).tolist() == [1, 1]
+
+
+def test_greedy_rows_take_argmax_in_mixed_batch():
+    logits = torch.randn(4, 30)
+    out = Sampler()(logits, _md(4, greedy=[True, False, True, False]))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_sample_frequencies_follow_tempered_top_k_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    n = 20000
+    batch = logits.repeat(n, 1)
+    gen = torch.Generator().manual_seed(0)
+    out = Sampler(gen)(batch, _md(n, temperature=0.7, top_k=[3] * n))
+    counts = torch.bincount(out, minlength=5).float() / n
+    expected = torch.softmax(logits[0, :3] / 0.7, -1)
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3], expected, atol=0.015), (counts, expected)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(1, 100)
+
+    def draw(batch_logits, row):
+        gen = torch.Generator().manual_seed(42)
+        md = _md(batch_logits.shape[0], generators={row: gen})
+        return [int(Sampler(torch.Generator().manual_seed(7))(batch_logits, md)[row]) for _ in range(1)]
+
+    alone = draw(logits, 0)
+    mixed = draw(torch.cat([torch.randn(3, 100), logits, torch.randn(2, 100)]), 3)
+    assert alone == mixed
