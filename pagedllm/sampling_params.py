@@ -1,40 +1,88 @@
-"""Per-request sampling parameters (the vLLM names and meanings)."""
+"""Per-request sampling parameters: vLLM's names, defaults and meanings."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 _GREEDY_EPS = 1e-5
+# How many top logprobs a request may ask for (vLLM's --max-logprobs default).
+MAX_LOGPROBS = 20
+
+LogitsProcessor = (
+    Callable[[list[int], torch.Tensor], torch.Tensor]
+    | Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
+)
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logits_processors: list[LogitsProcessor] | None = None
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Filled in by the processor: stop ids that min_tokens must hold back (EOS + stop_token_ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the processor: token-id sequences for `bad_words`.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -44,15 +92,59 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}"
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.best_of > 1 and self.greedy:
+            raise ValueError("best_of > 1 requires sampling (temperature > 0): greedy samples would be identical")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether the sampler needs the request's token history (penalties, processors)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logits_processors)
+        )
+
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """Deep copy, except logits processors (which may hold large state) are shared."""
+        procs = self.logits_processors
+        self.logits_processors = None
+        try:
+            new = copy.deepcopy(self)
+        finally:
+            self.logits_processors = procs
+        new.logits_processors = procs
+        return new
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """Extra EOS ids of the model's generation_config become stop tokens."""
+        eos = generation_config.get("eos_token_id")
+        if eos is None:
+            return
+        eos_ids = {eos} if isinstance(eos, int) else set(eos)
+        if model_eos_token_id is not None:
+            eos_ids.discard(model_eos_token_id)
+        if eos_ids:
+            self.all_stop_token_ids.update(eos_ids)
+            if not self.ignore_eos:
+                self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))

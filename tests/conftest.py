@@ -21,4 +21,4 @@ def tiny_llama(tmp_path_factory) -> str:
 def llm(tiny_gemma3):
     from pagedllm import LLM
 
-    return LLM(tiny_gemma3, kv_cache_memory=1 << 24)
+    return LLM(tiny_gemma3, dtype="float32", kv_cache_memory=1 << 24)

@@ -94,12 +94,14 @@ def make_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
     return path
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[dict]:
     """transformers' greedy generate, one prompt at a time (no padding effects),
     with per-step logits so near-ties can be recognised."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     results = []
     for ids in prompts:
         out = model.generate(

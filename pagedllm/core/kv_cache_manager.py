@@ -44,7 +44,8 @@ class KVCacheManager:
         The last prompt token is never served from cache: its logits are needed to
         sample the first output token, so at least one token is always computed.
         """
-        if not self.enable_caching:
+        # Prompt logprobs need every prompt position's logits: nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

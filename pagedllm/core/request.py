@@ -46,6 +46,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    group_id: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +68,11 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit length at first schedule
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Accumulated over prefill chunks; handed out with the first output token.
+    prompt_logprobs: list | None = None
+    # Requests of the same parent (n > 1) share a group: siblings wait for the first
+    # one's prompt to be cached, then reuse its blocks.
+    group_id: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -81,6 +87,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            group_id=req.group_id,
         )
 
     @property

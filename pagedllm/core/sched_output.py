@@ -15,7 +15,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # does this chunk reach the end of the known tokens?
     sampling_params: SamplingParams
-    num_output_tokens: int = 0
+    # Live references to the request's token lists (same process: no copy).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -31,8 +33,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# (token ids, logprobs, rank of the first id): the first id is the sampled / actual token,
+# followed by the top-k.
+LogprobsEntry = tuple[list[int], list[float], int]
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
     # One sampled token per scheduled request, or None for a partial prefill chunk.
     sampled_token_ids: list[int | None]
+    # Per request, when it asked for logprobs and sampled this step.
+    logprobs: list[LogprobsEntry | None] | None = None
+    # req_id → entries for the prompt positions this chunk covered (prompt_logprobs).
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)

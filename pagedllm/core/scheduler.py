@@ -15,6 +15,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.engine import EngineCoreOutput
 
 
 class Scheduler:
@@ -29,6 +30,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.group_leaders: dict[str, Request] = {}  # n > 1: the sibling that prefills first
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -52,6 +54,8 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request) -> None:
+        if request.group_id is not None and self.group_leaders.get(request.group_id) is request:
+            del self.group_leaders[request.group_id]
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -115,6 +119,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if self._wait_for_sibling(request):
+                break
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -132,10 +138,24 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
+            if request.group_id is not None:
+                self.group_leaders[request.group_id] = request
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
         return self._build_output(num_scheduled, preempted)
+
+    def _wait_for_sibling(self, request: Request) -> bool:
+        """Samples of one prompt (n > 1) start after the first has its prompt in the cache,
+        so they share its blocks (ref counts) instead of computing copies."""
+        if request.group_id is None or not self.kv_cache_manager.enable_caching:
+            return False
+        leader = self.group_leaders.get(request.group_id)
+        return (
+            leader is not None
+            and leader.status == RequestStatus.RUNNING
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+        )
 
     def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids)
@@ -153,7 +173,8 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     sample=start + n >= request.num_tokens,
                     sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
                 )
             )
             # Advance now, so the next schedule() sees these tokens as in flight.
@@ -164,24 +185,39 @@ class Scheduler:
     # ---- after the forward pass ------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> tuple[list[Request], list[Request]]:
-        """Append sampled tokens, apply stop conditions; returns (updated, finished)."""
-        updated: list[Request] = []
-        finished: list[Request] = []
-        for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+    ) -> list[EngineCoreOutput]:
+        """Cache newly full blocks, append sampled tokens, apply stop conditions."""
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        for row, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while its step ran
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            chunk_prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if chunk_prompt_logprobs is not None:
+                request.prompt_logprobs = (request.prompt_logprobs or []) + chunk_prompt_logprobs
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            first = request.num_output_tokens == 0
             request.append_output_token_ids(token)
-            updated.append(request)
-            if self._check_stop(request, token):
+            stopped = self._check_stop(request, token)
+            entry = logprobs[row] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=[token],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    new_logprobs=[entry] if entry is not None else None,
+                    prompt_logprobs=request.prompt_logprobs if first else None,
+                )
+            )
+            if stopped:
                 self.running.remove(request)
                 self._free_request(request)
-                finished.append(request)
-        return updated, finished
+        return outputs
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Length first (as vLLM): an EOS that is also the last allowed token is "length"."""

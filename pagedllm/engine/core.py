@@ -49,17 +49,7 @@ class EngineCore:
         if sched_out.is_empty:
             return EngineCoreOutputs(timestamp=time.time())
         runner_out = self.model_runner.execute_model(sched_out)
-        updated, _ = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs = [
-            EngineCoreOutput(
-                request_id=r.request_id,
-                new_token_ids=[r.output_token_ids[-1]],
-                finish_reason=r.get_finished_reason(),
-                stop_reason=r.stop_reason,
-                num_cached_tokens=max(r.num_cached_tokens, 0),
-            )
-            for r in updated
-        ]
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     # ---- stats ------------------------------------------------------------

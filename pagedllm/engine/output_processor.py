@@ -1,95 +1,208 @@
-"""Turns engine-core token outputs into RequestOutputs: detokenize, timestamps."""
+"""Turns engine-core token outputs into RequestOutputs: detokenize, stop strings,
+logprobs, timestamps, and the fan-in of n / best_of child requests."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.logprobs import PromptLogprobs, SampleLogprobs, make_logprobs_dict
+from pagedllm.engine.stop_checker import find_stop_string
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class ParentRequest:
+    """A request with n / best_of > 1: one engine-core request per sample."""
+
+    request_id: str
+    params: SamplingParams
+    children: list[RequestState] = field(default_factory=list)
+    num_finished: int = 0
+
+
+@dataclass(slots=True)
 class RequestState:
     request_id: str
+    index: int
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
-    output_token_ids: list[int]
+    parent: ParentRequest | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    text_len: int = 0  # visible text (stop strings cut it short)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    def completion(self) -> CompletionOutput:
+        text = self.detokenizer.output_text[: self.text_len] if self.detokenizer is not None else ""
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs if self.params.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(slots=True)
+class OutputProcessorResult:
+    request_outputs: list[RequestOutput]
+    # Requests the output side finished (stop strings): the engine core must drop them.
+    reqs_to_abort: list[str]
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        params: SamplingParams, arrival_time: float,
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        parent: ParentRequest | None = None,
+        index: int = 0,
     ) -> None:
         detok = (
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             if params.detokenize and self.tokenizer is not None
             else None
         )
-        self.request_states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, detok,
-            RequestMetrics(arrival_time=arrival_time), [],
+        state = RequestState(
+            request_id, index, prompt, prompt_token_ids, params, detok,
+            RequestMetrics(arrival_time=arrival_time), parent,
         )
+        if params.logprobs is not None:
+            state.logprobs = []
+            state.cumulative_logprob = 0.0
+        self.request_states[request_id] = state
+        if parent is not None:
+            parent.children.append(state)
+            self.parents[parent.request_id] = parent
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> list[RequestOutput]:
+    def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> OutputProcessorResult:
         now = now or time.time()
-        results = []
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted on this side already
-            m = state.metrics
-            if out.new_token_ids and m.first_token_time is None:
-                m.first_token_time = now
-            if out.new_token_ids:
-                m.last_token_time = now
-            for tok in out.new_token_ids:
-                state.output_token_ids.append(tok)
-                if state.detokenizer is not None:
-                    state.detokenizer.update(tok)
-            finished = out.finish_reason is not None
-            if finished:
-                if state.detokenizer is not None:
-                    state.detokenizer.finalize()
-                m.finished_time = now
+            if self._update(state, out, now) and out.finish_reason is None:
+                to_abort.append(out.request_id)  # finished here by a stop string
+            if state.finish_reason is not None:
+                state.metrics.finished_time = now
                 del self.request_states[out.request_id]
-            results.append(self._make_output(state, out, finished))
-        return results
+            result = self._make_output(state)
+            if result is not None:
+                results.append(result)
+        return OutputProcessorResult(results, to_abort)
 
-    def _make_output(self, state: RequestState, out: EngineCoreOutput, finished: bool) -> RequestOutput:
-        text = state.detokenizer.output_text if state.detokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(state.output_token_ids),
-            cumulative_logprob=None,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
+    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Apply one engine-core output; True if a stop string finished the request."""
+        m = state.metrics
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and state.params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] + [make_logprobs_dict(e, self.tokenizer) for e in out.prompt_logprobs]
+        if out.new_logprobs is not None and state.logprobs is not None:
+            for entry in out.new_logprobs:
+                state.logprobs.append(make_logprobs_dict(entry, self.tokenizer))
+                state.cumulative_logprob += entry[1][0]
+        state.output_token_ids.extend(out.new_token_ids)
+        stopped_here = False
+        if state.detokenizer is not None:
+            before = len(state.detokenizer.output_text)
+            for tok in out.new_token_ids:
+                state.detokenizer.update(tok)
+            if out.finish_reason is not None:
+                state.detokenizer.finalize()
+            text = state.detokenizer.output_text
+            stop = find_stop_string(
+                text, len(text) - before, state.params.stop, state.params.include_stop_str_in_output
+            )
+            state.text_len = len(text)
+            if stop is not None:
+                state.stop_reason, state.text_len = stop
+                state.finish_reason = "stop"
+                stopped_here = True
+        if not stopped_here and out.finish_reason is not None:
+            state.finish_reason = out.finish_reason
+            state.stop_reason = out.stop_reason
+        return stopped_here
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        parent = state.parent
+        if parent is None:
+            return self._request_output(state.request_id, state, [state.completion()], state.finish_reason is not None)
+        if state.finish_reason is not None:
+            parent.num_finished += 1
+        finished = parent.num_finished == len(parent.children)
+        params = parent.params
+        if params.best_of > params.n:
+            if not finished:
+                return None  # the best n are known only at the end
+            ranked = sorted(parent.children, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+            completions = []
+            for i, child in enumerate(ranked[: params.n]):
+                c = child.completion()
+                c.index = i
+                if params.logprobs is None:
+                    c.logprobs = None
+                completions.append(c)
+        else:
+            completions = [c.completion() for c in parent.children]
+        if finished:
+            del self.parents[parent.request_id]
+        return self._request_output(parent.request_id, parent.children[0], completions, finished)
+
+    def _request_output(
+        self, request_id: str, state: RequestState, completions: list[CompletionOutput], finished: bool
+    ) -> RequestOutput:
         return RequestOutput(
-            request_id=state.request_id,
+            request_id=request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[completion],
+            outputs=completions,
             finished=finished,
             metrics=state.metrics,
-            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
         )
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request_id for c in parent.children] if parent is not None else [request_id]
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests (parents expand to their children); returns the engine-core ids."""
+        core_ids = []
         for req_id in request_ids:
-            self.request_states.pop(req_id, None)
+            for child_id in self.child_ids(req_id):
+                if self.request_states.pop(child_id, None) is not None:
+                    core_ids.append(child_id)
+            self.parents.pop(req_id, None)
+        return core_ids

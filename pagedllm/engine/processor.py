@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import ModelConfig
@@ -49,18 +50,16 @@ class Processor:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty (no tokens)")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        self._check_token_ids("prompt token ids", token_ids)
         max_len = self.model_config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long; max_model_len is {max_len}, "
                 "which leaves no room for output"
             )
-        if params.max_tokens is None:
-            params = params.clone()
-            params.max_tokens = max_len - len(token_ids)
+        params = self._prepare_params(params, len(token_ids))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -71,3 +70,55 @@ class Processor:
             cache_salt=cache_salt,
         )
         return request, text
+
+    def _check_token_ids(self, what: str, ids) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+
+    def _prepare_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Validate against the model and fill in what needs the tokenizer; never mutates
+        the caller's object."""
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        if params.logit_bias:
+            self._check_token_ids("logit_bias token ids", list(params.logit_bias))
+        if params.allowed_token_ids is not None:
+            self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - prompt_len
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            params.all_stop_token_ids.update(self.eos_token_ids)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as it would appear at the start of text and after a space."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = self.tokenizer(prefix + word.lstrip(), add_special_tokens=False).input_ids
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+
+def fan_out(request: EngineCoreRequest) -> list[tuple[str, EngineCoreRequest]]:
+    """n / best_of > 1 → one engine-core request per sample, in one sibling group so the
+    scheduler lets them share the prompt's cached blocks. Seeds differ per sample."""
+    params = request.sampling_params
+    children = []
+    for i in range(params.best_of):
+        child_params = params.clone()
+        child_params.n = child_params.best_of = 1
+        if params.seed is not None:
+            child_params.seed = params.seed + i
+        if params.best_of > params.n and child_params.logprobs is None:
+            child_params.logprobs = 0  # ranking needs the cumulative logprob
+        child_id = f"{i}_{request.request_id}"
+        children.append((child_id, replace(request, request_id=child_id, sampling_params=child_params,
+                                           group_id=request.request_id)))
+    return children

@@ -80,3 +80,29 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render one conversation or a list of them with the chat template, then generate."""
+        from pagedllm.entrypoints.chat_utils import render_conversations
+
+        prompts = render_conversations(
+            self.get_tokenizer(), messages, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: Any) -> list[Any]:
+        """Beam search over the engine (see pagedllm/beam_search.py)."""
+        from pagedllm.beam_search import run_beam_search
+
+        return run_beam_search(self, prompts, params)

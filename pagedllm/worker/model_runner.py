@@ -16,8 +16,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import AttentionMetadata, PrefillSegment, set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
-from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata
+from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model = get_model(config.model_config, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.generators: dict[str, torch.Generator] = {}
         seed_gen = torch.Generator(device=self.device)
         seed_gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(seed_gen)
+        vocab = config.model_config.text_config.vocab_size
+        self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device)
         self.kv_caches: list[torch.Tensor] = []
 
     # ---- KV cache ---------------------------------------------------------
@@ -71,8 +73,7 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in sched.finished_req_ids:
-            self.generators.pop(req_id, None)
+        self.sampling_metadata.drop(sched.finished_req_ids)
         reqs = sched.scheduled
         if not reqs:
             return ModelRunnerOutput([], [])
@@ -126,46 +127,36 @@ class ModelRunner:
 
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         with set_forward_context(md):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
-            )
-        sampled: list[int | None] = [None] * num_reqs
+            hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev))
+        out = ModelRunnerOutput([r.req_id for r in reqs], [None] * num_reqs)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.prompt_logprobs is not None and starts[i] < len(r.prompt_token_ids) - 1:
+                out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[cu_start[i] : cu_end[i]])
         if sample_rows:
             logits_idx = torch.from_numpy(cu_end[sample_rows] - 1).to(dev)
             logits = self.model.compute_logits(hidden[logits_idx])
-            token_ids = self.sampler(logits, self._sampling_metadata([reqs[i] for i in sample_rows]))
-            for row, tok in zip(sample_rows, token_ids.tolist()):
-                sampled[row] = tok
-        return ModelRunnerOutput([r.req_id for r in reqs], sampled)
+            sample_reqs = [reqs[i] for i in sample_rows]
+            result = self.sampler(logits, self.sampling_metadata.build(sample_reqs))
+            for row, tok in zip(sample_rows, result.sampled_token_ids.tolist()):
+                out.sampled_token_ids[row] = tok
+            if result.logprobs is not None:
+                out.logprobs = [None] * num_reqs
+                ids, vals = result.logprob_token_ids.tolist(), result.logprobs.tolist()
+                ranks = result.sampled_ranks.tolist()
+                for k, (row, r) in enumerate(zip(sample_rows, sample_reqs)):
+                    n = r.sampling_params.logprobs
+                    if n is not None:
+                        out.logprobs[row] = (ids[k][: n + 1], vals[k][: n + 1], ranks[k])
+        return out
 
-    def _sampling_metadata(self, reqs) -> SamplingMetadata:
-        params = [r.sampling_params for r in reqs]
-        greedy = [p.greedy for p in params]
-        dev = self.device
-        if all(greedy):
-            return SamplingMetadata(
-                temperature=None, top_k=None, top_p=None, greedy=None, all_greedy=True, generators={}
-            )
-        generators = {}
-        for row, (r, p) in enumerate(zip(reqs, params)):
-            if p.seed is not None and not p.greedy:
-                gen = self.generators.get(r.req_id)
-                if gen is None:
-                    gen = torch.Generator(device=dev)
-                    gen.manual_seed(p.seed)
-                    self.generators[r.req_id] = gen
-                generators[row] = gen
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        return SamplingMetadata(
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                     dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, device=dev) if any(top_k) else None,
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev) if min(top_p) < 1.0 else None,
-            greedy=torch.tensor(greedy, device=dev),
-            all_greedy=False,
-            generators=generators,
-        )
+    def _prompt_logprobs(self, r, hidden: torch.Tensor) -> list:
+        """Logprobs of the prompt tokens this chunk predicts (position p predicts p + 1)."""
+        num_prompt = len(r.prompt_token_ids)
+        n = min(len(r.token_ids), num_prompt - 1 - r.start_pos)
+        targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1 : r.start_pos + 1 + n], device=hidden.device)
+        logprobs = self.model.compute_logits(hidden[:n]).log_softmax(dim=-1)
+        ids, vals, ranks = gather_logprobs(logprobs, r.sampling_params.prompt_logprobs, targets)
+        return list(zip(ids.tolist(), vals.tolist(), ranks.tolist()))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -112,7 +112,9 @@ class Driver:
             assert s.sample == (end == req.num_tokens)
             tokens.append(self.next_token(req) if s.sample else None)
         runner = ModelRunnerOutput([s.req_id for s in out.scheduled], tokens)
-        _, finished = sched.update_from_output(out, runner)
+        by_id = {s.req_id: sched.requests[s.req_id] for s in out.scheduled}
+        outputs = sched.update_from_output(out, runner)
+        finished = [by_id[o.request_id] for o in outputs if o.finish_reason is not None]
         for req in finished:
             assert req.is_finished()
             self.finished[req.request_id] = req
@@ -541,9 +543,12 @@ def test_updated_and_finished_returned_from_update():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    updated, finished = sched.update_from_output(out, ModelRunnerOutput(["a", "b"], [7, 8]))
-    assert updated == [a, b]
-    assert finished == [a]
+    outputs = sched.update_from_output(out, ModelRunnerOutput(["a", "b"], [7, 8]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("a", [7], "length"),
+        ("b", [8], None),
+    ]
+    assert a.is_finished() and not b.is_finished()
     assert sched.running == [b]
     assert sched.get_num_unfinished_requests() == 1
 

@@ -1,41 +1,103 @@
-"""Batched sampling: one pass over the whole batch, per-request parameters as tensors."""
+"""Batched sampling: one pass over the whole batch, per-request parameters as tensors.
+
+Order (as vLLM): raw logprobs → logits processors → allowed tokens / bad words /
+min_tokens / logit_bias → penalties → greedy argmax → temperature → min_p →
+top-k / top-p → random draw. Only the rows that use a feature pay for it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pagedllm.model_executor.layers.penalties import apply_penalties
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32; rows with greedy=True are ignored
+    temperature: torch.Tensor | None  # [B] float32 (1.0 on greedy rows); None if all greedy
     top_k: torch.Tensor | None  # [B] int64, 0 where off; None if no row uses it
     top_p: torch.Tensor | None  # [B] float32, 1.0 where off; None if no row uses it
-    greedy: torch.Tensor  # [B] bool
+    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
     # row → generator, for requests with a seed: their draws do not depend on the batch.
     generators: dict[int, torch.Generator]
+    min_p: torch.Tensor | None = None  # [B] float32, 0 where off
+    max_num_logprobs: int | None = None  # top-k logprobs to return (None: none requested)
+    # row → additive [V] bias that never changes (allowed_token_ids as -inf elsewhere, logit_bias)
+    static_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    # row → token ids banned at this step (bad words, stop tokens before min_tokens)
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Penalties: rows that use any, with their token histories.
+    penalty_rows: list[int] = field(default_factory=list)
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    presence_penalties: list[float] = field(default_factory=list)
+    frequency_penalties: list[float] = field(default_factory=list)
+    repetition_penalties: list[float] = field(default_factory=list)
+    # row → (callables, prompt ids, output ids)
+    logits_processors: dict[int, tuple[list, list[int], list[int]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B]
+    # When logprobs were requested: [B, 1 + k] ids and logprobs (sampled token first), [B] ranks.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
 
 
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # for unseeded random rows
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits: [B, V] float32 → sampled token ids [B]."""
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] float32."""
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        logits = self._apply_logits_processors(logits, md)
+        for row, bias in md.static_bias.items():
+            logits[row] += bias
+        for row, banned in md.banned_token_ids.items():
+            logits[row, banned] = float("-inf")
+        if md.penalty_rows:
+            rows = torch.tensor(md.penalty_rows, device=logits.device)
+            logits[rows] = apply_penalties(
+                logits[rows], md.prompt_token_ids, md.output_token_ids,
+                md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
+            )
+        sampled = self._sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        return SamplerOutput(sampled, *gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled))
+
+    def _apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        for row, (procs, prompt_ids, output_ids) in md.logits_processors.items():
+            row_logits = logits[row]
+            for proc in procs:
+                try:
+                    row_logits = proc(prompt_ids, output_ids, row_logits)
+                except TypeError:
+                    row_logits = proc(output_ids, row_logits)
+            logits[row] = row_logits
+        return logits
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids
         logits = logits / md.temperature.unsqueeze(1)
+        if md.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)
         random_ids = self._exponential_race(probs, md.generators)
         return torch.where(md.greedy, greedy_ids, random_ids)
 
-    def _exponential_race(
-        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
-    ) -> torch.Tensor:
+    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         """argmax(p / E) with E ~ Exp(1) is a sample from p (the Gumbel-max trick in
         another form); per-row generators make seeded rows batch-independent."""
         q = torch.empty_like(probs)
@@ -46,9 +108,22 @@ class Sampler:
         return probs.div_(q).argmax(dim=-1)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def gather_logprobs(
+    logprobs: torch.Tensor, k: int, token_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k logprobs plus the chosen token's logprob and rank (1 = most likely)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+        vals = torch.cat([chosen, top_vals], dim=1)
+    else:
+        ids, vals = token_ids.unsqueeze(1), chosen
+    return ids, vals, ranks
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus to -inf.
 
     top_k rows of 0 and top_p rows of 1.0 are off.

@@ -40,7 +40,7 @@ def test_top_p_keeps_smallest_nucleus():
 
 def test_greedy_rows_take_argmax_in_mixed_batch():
     logits = torch.randn(4, 30)
-    out = Sampler()(logits, _md(4, greedy=[True, False, True, False]))
+    out = Sampler()(logits, _md(4, greedy=[True, False, True, False])).sampled_token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -50,7 +50,7 @@ def test_sample_frequencies_follow_tempered_top_k_distribution():
     n = 20000
     batch = logits.repeat(n, 1)
     gen = torch.Generator().manual_seed(0)
-    out = Sampler(gen)(batch, _md(n, temperature=0.7, top_k=[3] * n))
+    out = Sampler(gen)(batch, _md(n, temperature=0.7, top_k=[3] * n)).sampled_token_ids
     counts = torch.bincount(out, minlength=5).float() / n
     expected = torch.softmax(logits[0, :3] / 0.7, -1)
     assert counts[3:].sum() == 0
@@ -63,7 +63,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     def draw(batch_logits, row):
         gen = torch.Generator().manual_seed(42)
         md = _md(batch_logits.shape[0], generators={row: gen})
-        return [int(Sampler(torch.Generator().manual_seed(7))(batch_logits, md)[row]) for _ in range(1)]
+        return int(Sampler(torch.Generator().manual_seed(7))(batch_logits, md).sampled_token_ids[row])
 
     alone = draw(logits, 0)
     mixed = draw(torch.cat([torch.randn(3, 100), logits, torch.randn(2, 100)]), 3)
