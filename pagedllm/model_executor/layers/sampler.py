@@ -88,23 +88,55 @@ class Sampler:
         if md.all_greedy:
             return greedy_ids
         logits = logits / md.temperature.unsqueeze(1)
+        out = greedy_ids.clone()
+        random_rows = ~md.greedy
+        top_k = md.top_k if md.top_k is not None else torch.zeros_like(greedy_ids)
+        # The path depends only on the row's own parameters, so a seeded row draws the
+        # same numbers whatever else is in the batch.
+        paths = ((random_rows & (top_k > 0), self._sample_top_k), (random_rows & (top_k == 0), self._sample_full))
+        for rows, sample in paths:
+            idx = torch.nonzero(rows).flatten()
+            if idx.numel():
+                gens = {j: md.generators[int(r)] for j, r in enumerate(idx.tolist()) if int(r) in md.generators}
+                out[idx] = sample(logits[idx], idx, md, gens)
+        return out
+
+    def _sample_top_k(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
+        """Rows with top-k: everything (min_p, top_p, the draw) happens on the k candidates,
+        never sorting or normalising the whole vocabulary."""
+        k = md.top_k[idx]
+        vals, ids = logits.topk(int(k.max()), dim=-1)  # sorted, descending
+        vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device) >= k.unsqueeze(1), float("-inf"))
+        if md.min_p is not None:  # p / p_max does not depend on the normalisation
+            vals = vals.masked_fill(vals - vals[:, :1] < md.min_p[idx].log().unsqueeze(1), float("-inf"))
+        probs = vals.softmax(dim=-1)
+        if md.top_p is not None:
+            mass_above = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(mass_above >= md.top_p[idx].unsqueeze(1), 0.0)
+        choice = self._exponential_race(probs, gens, k.tolist())
+        return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
         if md.min_p is not None:
             probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p[idx].unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        random_ids = self._exponential_race(probs, md.generators)
-        return torch.where(md.greedy, greedy_ids, random_ids)
+        top_p = md.top_p[idx] if md.top_p is not None else None
+        if top_p is not None and bool((top_p < 1.0).any()):
+            logits = apply_top_k_top_p(logits, None, top_p)
+        return self._exponential_race(logits.softmax(dim=-1), gens)
 
-    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def _exponential_race(
+        self, probs: torch.Tensor, generators: dict[int, torch.Generator], widths: list[int] | None = None
+    ) -> torch.Tensor:
         """argmax(p / E) with E ~ Exp(1) is a sample from p (the Gumbel-max trick in
         another form); per-row generators make seeded rows batch-independent."""
         q = torch.empty_like(probs)
         if len(generators) < probs.shape[0]:
             q.exponential_(generator=self.generator)
         for row, gen in generators.items():
-            q[row].exponential_(generator=gen)
+            width = widths[row] if widths is not None else probs.shape[1]
+            q[row, :width].exponential_(generator=gen)
         return probs.div_(q).argmax(dim=-1)
 
 
