@@ -48,7 +48,8 @@ class SamplingMetadataBuilder:
         for row, (r, p) in enumerate(zip(reqs, params)):
             if p.seed is not None and not p.greedy:
                 md.generators[row] = self._generator(r.req_id, p.seed)
-        top_k = [p.top_k for p in params]
+        # top_k >= vocab keeps everything: off (as vLLM), and topk() could not take it.
+        top_k = [p.top_k if p.top_k < self.vocab_size else 0 for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         md.temperature = torch.tensor(

@@ -63,8 +63,9 @@ class Attention(nn.Module):
         tables = md.decode_block_tables
         num_seqs, num_blocks = tables.shape
         max_len = num_blocks * block_size
-        keys = k_cache[tables].view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
-        values = v_cache[tables].view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        flat = tables.flatten()
+        keys = k_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
         pos = torch.arange(max_len, device=q.device)
         seq_lens = md.decode_seq_lens[:, None]
         mask = pos[None, :] < seq_lens
@@ -92,8 +93,8 @@ class Attention(nn.Module):
         if seg.context_len == 0:
             return self._causal(q, k, v)
         total = seg.context_len + seg.query_len
-        keys = k_cache[seg.block_table].view(-1, self.num_kv_heads, self.head_dim)[:total]
-        values = v_cache[seg.block_table].view(-1, self.num_kv_heads, self.head_dim)[:total]
+        keys = k_cache.index_select(0, seg.block_table).view(-1, self.num_kv_heads, self.head_dim)[:total]
+        values = v_cache.index_select(0, seg.block_table).view(-1, self.num_kv_heads, self.head_dim)[:total]
         q_pos = torch.arange(seg.context_len, total, device=q.device)[:, None]
         k_pos = torch.arange(total, device=q.device)[None, :]
         mask = k_pos <= q_pos
