@@ -145,6 +145,10 @@ class OutputProcessor:
                 text, len(text) - before, state.params.stop, state.params.include_stop_str_in_output
             )
             state.text_len = len(text)
+            if stop is None and out.finish_reason is None and state.params.stop:
+                # Hold back what could be the start of a stop string, so streamed text
+                # never has to be taken back.
+                state.text_len = max(0, len(text) - max(len(s) for s in state.params.stop) + 1)
             if stop is not None:
                 state.stop_reason, state.text_len = stop
                 state.finish_reason = "stop"
