@@ -42,7 +42,8 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logits_processors: list[LogitsProcessor] | None = None
+    # Callables cannot cross a process boundary: offline (LLM / LLMEngine) only.
+    logits_processors: list[Any] | None = None
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -65,7 +66,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Union, not assignment: a decoded copy (msgspec runs __post_init__) keeps its EOS ids.
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

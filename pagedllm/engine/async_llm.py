@@ -1,0 +1,154 @@
+"""AsyncLLM: the serving engine. Tokenizing, detokenizing and streaming happen here, in
+the server's process; scheduling and the forward pass run in the engine-core process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine import EngineCoreOutputs
+from pagedllm.engine.core_client import MPClient
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.frontend import Frontend
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        config = engine_args.create_engine_config()  # validates here, before a process starts
+        self.config = config
+        self.model_config = config.model_config
+        self.frontend = Frontend(config.model_config, config.scheduler_config)
+        self.tokenizer = self.frontend.tokenizer
+        self.processor = self.frontend.processor
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.errored = False
+        self.client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        return cls(engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- callbacks from the reader thread: hop onto the event loop --------
+    def _call_in_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self._call_in_loop(self._process_outputs, outputs)
+
+    def _on_utility(self, call_id: int, ok: bool, result: Any) -> None:
+        self._call_in_loop(self._resolve_utility, call_id, ok, result)
+
+    def _on_dead(self) -> None:
+        self.errored = True
+        self._call_in_loop(self._fail_all)
+
+    # ---- on the event loop ------------------------------------------------
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
+        for out in result.request_outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if out.finished:
+                    del self._queues[out.request_id]
+        if result.reqs_to_abort:
+            self.client.abort_requests(result.reqs_to_abort)
+
+    def _resolve_utility(self, call_id: int, ok: bool, result: Any) -> None:
+        fut = self._utility_futures.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+
+    def _fail_all(self) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError())
+        self._queues.clear()
+        for fut in self._utility_futures.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError())
+        self._utility_futures.clear()
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Cumulative RequestOutputs as the request progresses; the last has finished=True.
+        Closing the generator early aborts the request and frees its KV blocks."""
+        self._bind_loop()
+        if self.errored:
+            raise EngineDeadError()
+        if sampling_params.logits_processors:
+            raise ValueError("logits_processors cannot cross to the engine-core process; use LLM offline")
+        queue: asyncio.Queue = asyncio.Queue()
+        requests = self.frontend.add_request(request_id, prompt, sampling_params, time.time(), priority, cache_salt)
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for request in requests:
+                self.client.add_request(request)
+            while True:
+                out = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        core_ids = self.frontend.abort(request_id and [request_id])
+        if core_ids and not self.errored:
+            self.client.abort_requests(core_ids)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._bind_loop()
+        if self.errored:
+            raise EngineDeadError()
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_futures[self.client.call_utility(method, *args)] = fut
+        return await fut
+
+    async def get_stats(self) -> dict[str, float]:
+        return await self._call("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    async def check_health(self) -> None:
+        if self.errored or not self.client.is_alive():
+            raise EngineDeadError()
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,132 @@
+"""The engine core in its own process, driven over ZMQ with msgspec-encoded messages.
+
+Front → core: ADD (EngineCoreRequest), ABORT (request ids), UTILITY (call id, method, args),
+SHUTDOWN. Core → front: READY / FAILED once at start, OUTPUTS (EngineCoreOutputs) after
+every step that produced something, UTILITY_RESULT. The busy loop steps while there is work
+and blocks on the input socket while there is none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.request import EngineCoreRequest
+from pagedllm.engine import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+ADD, ABORT, UTILITY, SHUTDOWN = b"ADD", b"ABORT", b"UTILITY", b"SHUTDOWN"
+READY, FAILED, OUTPUTS, UTILITY_RESULT = b"READY", b"FAILED", b"OUTPUTS", b"UTILITY_RESULT"
+
+# Methods of EngineCore the front may call through UTILITY.
+UTILITY_METHODS = {"get_stats", "reset_prefix_cache"}
+
+_IDLE_POLL_MS = 1000  # while idle: wake up this often to notice a dead parent
+
+
+def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) -> None:
+    """Process entry point (spawned): build the core, announce READY, serve until told to stop."""
+    from pagedllm.engine.core import EngineCore
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s core: %(message)s")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = EngineCore(engine_args.create_engine_config())
+    except Exception as e:  # report why, so the front can raise a clear error
+        out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
+        out.close(linger=2000)
+        return
+    out.send_multipart([READY, encoder.encode(core.get_stats())])
+    try:
+        EngineCoreProc(core, inp, out, encoder).run_busy_loop()
+    except Exception:
+        logger.error("engine core crashed:\n%s", traceback.format_exc())
+        raise
+    finally:
+        inp.close(linger=0)
+        out.close(linger=1000)
+        ctx.term()
+
+
+class EngineCoreProc:
+    def __init__(self, core: Any, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.encoder = encoder
+        self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.decoder = msgspec.msgpack.Decoder()
+        self.parent_pid = os.getppid()
+        self.running = True
+
+    def run_busy_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        while self.running:
+            # Block while idle; with work, only drain what is already queued.
+            timeout = 0 if self.core.has_unfinished_requests() else _IDLE_POLL_MS
+            while poller.poll(timeout):
+                self._handle(self.inp.recv_multipart())
+                timeout = 0
+            if not self.running:
+                break
+            if os.getppid() != self.parent_pid:
+                logger.warning("front-end process is gone; engine core exits")
+                break
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                if outputs.outputs:
+                    self.out.send_multipart([OUTPUTS, self.encoder.encode(outputs)])
+
+    def _handle(self, frames: list[bytes]) -> None:
+        kind, payload = frames[0], frames[1] if len(frames) > 1 else b""
+        if kind == ADD:
+            request = self.request_decoder.decode(payload)
+            try:
+                self.core.add_request(request)
+            except ValueError as e:
+                logger.warning("rejected request %s: %s", request.request_id, e)
+        elif kind == ABORT:
+            aborted = self.core.abort_requests(self.decoder.decode(payload))
+            if aborted:
+                self.out.send_multipart([OUTPUTS, self.encoder.encode(EngineCoreOutputs(outputs=aborted))])
+        elif kind == UTILITY:
+            call_id, method, args = self.decoder.decode(payload)
+            try:
+                if method not in UTILITY_METHODS:
+                    raise ValueError(f"unknown utility method {method!r}")
+                result = (True, getattr(self.core, method)(*args))
+            except Exception as e:
+                result = (False, f"{type(e).__name__}: {e}")
+            self.out.send_multipart([UTILITY_RESULT, self.encoder.encode((call_id, *result))])
+        elif kind == SHUTDOWN:
+            self.running = False
+
+
+def main() -> None:
+    """`python -m pagedllm.engine.core_proc INPUT_ADDR OUTPUT_ADDR`, engine args as JSON on stdin.
+
+    A fresh interpreter rather than multiprocessing's spawn: spawn re-imports the caller's
+    __main__, which breaks scripts without an `if __name__ == "__main__"` guard."""
+    import sys
+
+    engine_args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
+    run_engine_core(engine_args, sys.argv[1], sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()

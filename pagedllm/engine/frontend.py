@@ -1,0 +1,59 @@
+"""The front-end half shared by LLMEngine (in process) and AsyncLLM (core in another
+process): tokenizer, request processing with the n / best_of fan-out, output processing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import ModelConfig, SchedulerConfig
+from pagedllm.core.request import EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor, OutputProcessorResult, ParentRequest
+from pagedllm.engine.processor import Processor, PromptType, fan_out
+from pagedllm.model_executor.loader.tokenizer import get_eos_token_ids, get_tokenizer
+from pagedllm.sampling_params import SamplingParams
+
+
+class Frontend:
+    def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
+        self.model_config = model_config
+        self.scheduling_policy = scheduler_config.policy
+        self.tokenizer: Any = get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
+        eos = get_eos_token_ids(model_config.model_path, self.tokenizer)
+        self.processor = Processor(model_config, self.tokenizer, eos)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validate and register a request; returns the engine-core requests to submit
+        (one, or one per sample for n / best_of > 1). Raises ValueError on bad input."""
+        op = self.output_processor
+        if request_id in op.request_states or request_id in op.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError("priority is only supported with scheduling_policy='priority'")
+        request, text = self.processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority, cache_salt
+        )
+        if request.sampling_params.best_of == 1:
+            op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
+            return [request]
+        parent = ParentRequest(request_id, request.sampling_params)
+        children = fan_out(request)
+        for i, (child_id, child) in enumerate(children):
+            op.add_request(child_id, text, child.prompt_token_ids, child.sampling_params, request.arrival_time,
+                           parent=parent, index=i)
+        return [child for _, child in children]
+
+    def process_outputs(self, outputs, timestamp: float) -> OutputProcessorResult:
+        return self.output_processor.process_outputs(outputs, timestamp)
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Forget the requests here; returns the engine-core ids to abort there."""
+        return self.output_processor.abort_requests(request_ids)
