@@ -85,8 +85,9 @@ class AsyncLLM:
         self._utility_futures.clear()
 
     def _bind_loop(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        """Outputs are delivered on the loop of the latest caller (a server has one loop;
+        a script calling asyncio.run() twice gets a new one each time)."""
+        self._loop = asyncio.get_running_loop()
 
     async def generate(
         self,

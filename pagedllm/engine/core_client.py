@@ -134,7 +134,9 @@ class MPClient:
         return call_id
 
     def close(self) -> None:
-        if getattr(self, "proc", None) is not None and self.is_alive():
+        closing_live_core = getattr(self, "proc", None) is not None and self.is_alive()
+        self.dead = True  # from here on, the core exiting is expected, not a death to report
+        if closing_live_core:
             try:
                 with self._send_lock:
                     self.input.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
@@ -145,7 +147,6 @@ class MPClient:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self.dead = True
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(2)
