@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from pagedllm import EngineArgs, LLM, SamplingParams
+from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
 
