@@ -72,6 +72,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.prompt_logprobs = None  # the recompute produces them again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -154,7 +154,7 @@ class ModelRunner:
         num_prompt = len(r.prompt_token_ids)
         n = min(len(r.token_ids), num_prompt - 1 - r.start_pos)
         targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1 : r.start_pos + 1 + n], device=hidden.device)
-        logprobs = self.model.compute_logits(hidden[:n]).log_softmax(dim=-1)
+        logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
         ids, vals, ranks = gather_logprobs(logprobs, r.sampling_params.prompt_logprobs, targets)
         return list(zip(ids.tolist(), vals.tolist(), ranks.tolist()))
 

@@ -12,12 +12,14 @@ from pagedllm import __version__
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.cli.bench import add_bench_parser
     from pagedllm.entrypoints.cli.generate import add_generate_parser
+    from pagedllm.entrypoints.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -71,15 +71,14 @@ class Attention(nn.Module):
         mask = pos[None, :] < seq_lens
         if self.sliding_window is not None:
             mask &= pos[None, :] >= seq_lens - self.sliding_window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.squeeze(2)
+        # Plain matmuls in float32: for one query token per sequence this is ~10x faster on
+        # CPU than SDPA with a mask, and more precise than bf16 math.
+        group = self.num_heads // self.num_kv_heads
+        qf = q.view(num_seqs, self.num_kv_heads, group, self.head_dim).float()
+        scores = torch.matmul(qf, keys.permute(0, 2, 3, 1).float()) * self.scale  # [B, Hk, G, L]
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), values.transpose(1, 2).float())  # [B, Hk, G, D]
+        return out.reshape(num_seqs, self.num_heads, self.head_dim).to(q.dtype)
 
     def _prefill(
         self,
@@ -100,7 +99,13 @@ class Attention(nn.Module):
         mask = k_pos <= q_pos
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
-        return self._sdpa(q, keys, values, mask=mask)
+        # Same float32 matmul path as decode (SDPA with an explicit mask is slow on CPU).
+        group = self.num_heads // self.num_kv_heads
+        qf = q.view(seg.query_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).float()
+        scores = torch.matmul(qf, keys.permute(1, 2, 0).float().unsqueeze(1)) * self.scale  # [Hk, G, Lq, Lk]
+        scores.masked_fill_(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1).float().unsqueeze(1))  # [Hk, G, Lq, D]
+        return out.permute(2, 0, 1, 3).reshape(seg.query_len, self.num_heads, self.head_dim).to(q.dtype)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention among the new tokens alone (no cached context)."""

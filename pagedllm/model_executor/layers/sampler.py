@@ -54,7 +54,12 @@ class Sampler:
         self.generator = generator  # for unseeded random rows
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] float32."""
+        """logits: [B, V] in the model dtype."""
+        plain_greedy = md.all_greedy and not (md.static_bias or md.banned_token_ids or md.penalty_rows
+                                              or md.logits_processors)
+        if plain_greedy and md.max_num_logprobs is None:
+            return SamplerOutput(logits.argmax(dim=-1))
+        logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits = self._apply_logits_processors(logits, md)
         for row, bias in md.static_bias.items():
@@ -134,6 +139,8 @@ class Sampler:
         q = torch.empty_like(probs)
         if len(generators) < probs.shape[0]:
             q.exponential_(generator=self.generator)
+        elif widths is not None:
+            q.fill_(1.0)  # past a row's width: never garbage (0 / 0 = NaN would win the argmax)
         for row, gen in generators.items():
             width = widths[row] if widths is not None else probs.shape[1]
             q[row, :width].exponential_(generator=gen)

@@ -31,7 +31,9 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        logits = F.linear(hidden, weight).float()
+        # Left in the model dtype: greedy argmax needs no float32 copy of [B, vocab]
+        # (bf16 → fp32 is exact, so the sampler converts only when it must).
+        logits = F.linear(hidden, weight)
         if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+            logits = torch.tanh(logits.float() / softcap) * softcap
         return logits

@@ -1,0 +1,134 @@
+"""Prometheus metrics in vLLM's style, with a `pagedllm:` prefix.
+
+Each app gets its own CollectorRegistry (tests start several apps in one process, and the
+global registry refuses duplicate names). Request-level numbers (tokens, latencies,
+finish reasons) are computed in the front from the RequestOutputs it streams; engine-level
+numbers (queue sizes, KV usage, prefix cache, preemptions) are pulled from
+`engine.get_stats()` at scrape time, cumulative engine counters turned into deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, lbl = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, lbl, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, lbl, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("pagedllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("pagedllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prefix_hit_rate = gauge("pagedllm:prefix_cache_hit_rate", "Prefix-cache hit rate over all queries.")
+        self.prefix_queries = counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("pagedllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("pagedllm:generation_tokens", "Generation tokens produced.")
+        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("pagedllm:time_per_output_token_seconds", "Time per output token after the first.",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self._last_engine: dict[str, float] = {}
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def count_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    async def refresh(self, engine: Any) -> None:
+        """Pull the engine's gauges and counters; a dead engine leaves the last values."""
+        try:
+            stats = await engine.get_stats()
+        except Exception:
+            logger.debug("engine stats unavailable", exc_info=True)
+            return
+        self.num_running.set(stats.get("num_running", 0))
+        self.num_waiting.set(stats.get("num_waiting", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                            ("num_preemptions", self.preemptions)):
+            value = float(stats.get(key, 0))
+            delta = value - self._last_engine.get(key, 0.0)
+            if delta > 0:  # a reset (engine restart, cache reset) must not go negative
+                metric.inc(delta)
+            self._last_engine[key] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Counts one request's tokens as its outputs stream in, and its latencies at the end."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._prompt_counted = False
+        self._generated = 0
+        self._last: RequestOutput | None = None
+        self._done = False
+
+    def update(self, out: RequestOutput) -> None:
+        m = self.metrics
+        if not self._prompt_counted:
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._prompt_counted = True
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        if generated > self._generated:
+            m.generation_tokens.inc(generated - self._generated)
+            self._generated = generated
+        self._last = out
+        if out.finished:
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            self._finish(reason or "stop")
+
+    def aborted(self) -> None:
+        self._finish("abort")
+
+    def _finish(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        m = self.metrics
+        m.count_finished(reason)
+        out = self._last
+        metrics = out.metrics if out is not None else None
+        if metrics is None:
+            return
+        end = metrics.finished_time or time.time()
+        if metrics.first_token_time is not None:
+            m.ttft.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
+            num = len(out.outputs[0].token_ids) if out.outputs else 0
+            if num > 1 and metrics.last_token_time is not None:
+                m.tpot.observe(max(0.0, metrics.last_token_time - metrics.first_token_time) / (num - 1))
+        m.e2e.observe(max(0.0, end - metrics.arrival_time))

@@ -1,0 +1,205 @@
+"""POST /v1/chat/completions: render the conversation with the chat template, run it,
+and answer with a `chat.completion` body or a stream of `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.chat_utils import render_conversations, resolve_chat_template
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from pagedllm.entrypoints.openai.response_utils import (
+    DeltaTracker,
+    chat_logprobs,
+    output_usage,
+    prompt_logprobs_json,
+    usage_info,
+)
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id
+from pagedllm.entrypoints.openai.stream_utils import (
+    SSE_DONE,
+    EngineStreamingResponse,
+    chunk_json,
+    peek_all,
+    run_until_disconnected,
+    sse,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self, engine: Any, served_model_names: list[str], metrics: ServerMetrics | None, chat_template: str | None
+    ) -> None:
+        super().__init__(engine, served_model_names, metrics)
+        # --chat-template is read once at startup, so a bad path fails there and not per request.
+        self.chat_template = resolve_chat_template(self.tokenizer, chat_template) if chat_template else None
+
+    def render(
+        self,
+        messages: list[Any],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and its token ids, exactly as the engine would tokenize it."""
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs.setdefault("tools", tools)
+        dicts = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
+        try:
+            [prompt] = render_conversations(
+                self.tokenizer, dicts, chat_template=chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=kwargs,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        if isinstance(prompt, dict):
+            return prompt["prompt"], list(prompt["prompt_token_ids"])
+        return prompt, self.encode(prompt)
+
+    def _check(self, request: ChatCompletionRequest) -> None:
+        self.check_common(request)
+        if request.tool_choice not in (None, "none"):
+            raise OpenAIError("tool calling is not supported; tool_choice must be 'none'", param="tool_choice")
+        fmt = (request.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise OpenAIError(f"response_format type {fmt!r} is not supported", param="response_format")
+        if request.top_logprobs is not None:
+            if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+            if request.top_logprobs > 0 and not request.logprobs:
+                raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self._check(request)
+        model = self.model_name(request.model)
+        text, ids = self.render(
+            request.messages, chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs, tools=request.tools,
+        )
+        if request.truncate_prompt_tokens is not None:
+            ids = ids[-request.truncate_prompt_tokens:]
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        self.check_length(len(ids), max_tokens, prompt_param="messages")
+        top_n = request.top_logprobs or 0
+        params = self.sampling_params(
+            request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        request_id = f"chatcmpl-{request.request_id or random_id()}"
+        last = request.messages[-1]
+        echo = last.content if request.echo and last.role == "assistant" and isinstance(last.content, str) else ""
+        stream = self.generate({"prompt": text, "prompt_token_ids": ids}, params, request_id, request)
+        created = int(time.time())
+        if request.stream:
+            [stream] = await run_until_disconnected(raw_request, peek_all([stream]))
+            body = self._stream(request, stream, request_id, model, created, echo)
+            return EngineStreamingResponse(body, on_close=lambda: self.abort(request_id))
+        final = await run_until_disconnected(raw_request, _last(stream))
+        return JSONResponse(self._response(request, final, request_id, model, created, echo).model_dump())
+
+    def _response(
+        self, request: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str, created: int,
+        echo: str,
+    ) -> ChatCompletionResponse:
+        choices = []
+        for c in final.outputs:
+            logprobs = None
+            if request.logprobs and c.logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer)
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatMessage(role="assistant", content=echo + c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+        prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=choices, usage=output_usage([final]),
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    async def _stream(
+        self, request: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], request_id: str, model: str,
+        created: int, echo: str,
+    ) -> AsyncIterator[str]:
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        top_n = request.top_logprobs or 0
+        tracker = DeltaTracker()
+        prompt_tokens = 0
+
+        def chunk(choice: ChatCompletionResponseStreamChoice | None, usage: UsageInfo | None = None) -> str:
+            resp = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[choice] if choice else [], usage=usage,
+            )
+            return sse(chunk_json(resp))
+
+        last: RequestOutput | None = None
+        try:
+            async for out in stream:
+                if last is None:
+                    prompt_tokens = len(out.prompt_token_ids)
+                    for i in range(request.n or 1):
+                        role = DeltaMessage(role="assistant", content=echo)
+                        yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=role),
+                                    usage_info(prompt_tokens, 0) if continuous else None)
+                last = out
+                for c in out.outputs:
+                    d = tracker.delta(c)
+                    if d is None:
+                        continue
+                    wants_logprobs = bool(request.logprobs) and d.logprobs is not None
+                    if not d.text and d.finish_reason is None and not (wants_logprobs and d.token_ids):
+                        continue  # tokens whose text is held back (a possible stop string)
+                    logprobs = chat_logprobs(d.token_ids, d.logprobs, top_n, self.tokenizer) if wants_logprobs else None
+                    delta = DeltaMessage(content=d.text) if d.text or d.finish_reason is None else DeltaMessage()
+                    usage = usage_info(prompt_tokens, tracker.num_tokens(c.index)) if continuous else None
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason,
+                    ), usage)
+            if include_usage and last is not None:
+                yield chunk(None, output_usage([last]))
+        except OpenAIError as e:
+            yield sse(e.to_body())
+        except EngineDeadError as e:
+            yield sse(OpenAIError(str(e), 503).to_body())
+        except Exception as e:  # a 200 is already out: report in-band, as vLLM does
+            logger.exception("chat stream %s failed", request_id)
+            yield sse(OpenAIError(f"internal error: {type(e).__name__}", 500).to_body())
+        yield SSE_DONE
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    if last is None:
+        raise OpenAIError("the engine returned no output", 500)
+    return last

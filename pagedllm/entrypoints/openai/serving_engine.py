@@ -1,0 +1,226 @@
+"""What chat and text completions share: OpenAI-style errors, the served-model check,
+request → SamplingParams, the context-length check, and the engine call wrapped with
+metrics and a guaranteed abort (a request that stops being read must free its blocks)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere while serving; the app turns it into an OpenAI error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or ERROR_TYPES.get(status, "invalid_request_error")
+
+    def to_body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=self.status)
+        return ErrorResponse(error=info).model_dump()
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_body(), status_code=self.status)
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _generation_defaults(model_path: str) -> dict[str, Any]:
+    """Sampling defaults the model's generation_config.json sets (as vLLM applies them):
+    a request that omits temperature gets the model author's choice, not 1.0."""
+    try:
+        from transformers import GenerationConfig
+
+        diff = GenerationConfig.from_pretrained(model_path).to_diff_dict()
+    except Exception:  # no or unreadable generation_config: plain OpenAI defaults
+        return {}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: diff[k] for k in keys if diff.get(k) is not None}
+
+
+class OpenAIServing:
+    def __init__(self, engine: Any, served_model_names: list[str], metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+        self.default_sampling = _generation_defaults(getattr(engine.model_config, "model_path", ""))
+        if self.default_sampling:
+            logger.info("sampling defaults from the model's generation_config: %s", self.default_sampling)
+        params = inspect.signature(engine.generate).parameters
+        self._generate_takes_cache_salt = "cache_salt" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        )
+
+    # ---- checks -----------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; an unknown name is a 404 as in OpenAI's API."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(f"The model `{requested}` does not exist.", 404, param="model")
+        return requested
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> None:
+        """Prompt plus completion must fit max_model_len; caught here, with a clear message."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                f"{prompt_len} tokens long, which leaves no room for the completion. Please shorten the prompt.",
+                param=prompt_param,
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+
+    @staticmethod
+    def check_common(request: SamplingRequest) -> None:
+        if request.use_beam_search:
+            raise OpenAIError("use_beam_search is not supported by this server", param="use_beam_search")
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    # ---- request → SamplingParams ----------------------------------------
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None = None,
+    ) -> SamplingParams:
+        defaults = self.default_sampling
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(request, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        logit_bias = None
+        if request.logit_bias:
+            try:  # OpenAI's keys are token ids as strings; values are clamped to its [-100, 100]
+                logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in request.logit_bias.items()}
+            except ValueError:
+                raise OpenAIError("logit_bias keys must be token ids (integers)", param="logit_bias") from None
+        try:
+            return SamplingParams(
+                n=request.n if request.n is not None else 1,
+                best_of=best_of,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                truncate_prompt_tokens=request.truncate_prompt_tokens,
+                logit_bias=logit_bias,
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_param_of(str(e), request)) from None
+
+    # ---- the engine call --------------------------------------------------
+    async def generate(
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, request: SamplingRequest
+    ) -> AsyncIterator[RequestOutput]:
+        """engine.generate with metrics; however this generator ends early (closed,
+        cancelled, failed), the engine request is aborted."""
+        kwargs: dict[str, Any] = {"priority": request.priority}
+        if request.cache_salt is not None:
+            if not self._generate_takes_cache_salt:
+                raise OpenAIError("cache_salt is not supported by this engine", param="cache_salt")
+            kwargs["cache_salt"] = request.cache_salt
+        tracker = self.metrics.track() if self.metrics is not None else None
+        if self.engine.errored:
+            raise EngineDeadError()
+        gen = self.engine.generate(prompt, params, request_id, **kwargs)
+        finished = rejected = started = False
+        try:
+            try:
+                async for out in gen:
+                    started = True
+                    finished = out.finished
+                    if tracker is not None:
+                        tracker.update(out)
+                    yield out
+            except ValueError as e:  # the engine's own validation: the client's fault
+                rejected = True
+                raise OpenAIError(str(e), param=_param_of(str(e), request)) from None
+        finally:
+            if not finished:
+                await _close_quietly(gen)
+                if not rejected:  # (a rejected duplicate id must not abort the other request)
+                    await self.abort(request_id)
+                if started and tracker is not None:
+                    tracker.aborted()
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # already finished or engine gone: nothing left to free
+            logger.debug("abort of %s failed", request_id, exc_info=True)
+
+
+async def _close_quietly(gen: Any) -> None:
+    try:
+        await gen.aclose()
+    except RuntimeError:  # "already running": its task was cancelled and unwinds by itself
+        pass
+    except Exception:
+        logger.debug("closing an engine stream failed", exc_info=True)
+
+
+def _param_of(message: str, request: SamplingRequest) -> str | None:
+    """SamplingParams' messages start with the offending field's name; report it as `param`."""
+    word = message.split(" ", 1)[0].strip(":,")
+    return word if word in type(request).model_fields else None
