@@ -48,6 +48,10 @@ def add_bench_parser(subparsers) -> None:
     lat.add_argument("--output-json", default=None)
     lat.set_defaults(func=_latency_cmd)
 
+    from pagedllm.entrypoints.cli.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
+
 
 def _throughput_cmd(args: argparse.Namespace) -> int:
     """The CLI main wants an exit code; run_throughput/run_latency return metrics for tests."""

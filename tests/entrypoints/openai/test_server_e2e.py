@@ -1,0 +1,210 @@
+"""`pagedllm serve` as a real process on a tiny model, driven by the official openai SDK:
+chat and completions, streaming == non-streaming, n, logprobs, stop, usage, seeds, errors,
+client disconnects freeing KV blocks, and 32 concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, my name is"}]
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", MODEL,
+           "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
+           "--uvicorn-log-level", "warning"]
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PAGEDLLM_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server did not become healthy:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("pagedllm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0] if "finished_reason" not in name else name] = float(value)
+    return values
+
+
+def test_models_and_tokenize(client, server):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.owned_by == "pagedllm" and card.model_extra["max_model_len"] == 256
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": "Hello"}).json()
+    assert httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello"
+
+
+def test_chat_stream_equals_non_stream_and_usage(client, server):
+    full = client.chat.completions.create(model=MODEL, messages=MSGS, **GREEDY)
+    (choice,) = full.choices
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and choice.message.content
+    n_prompt = httpx.post(f"{server}/tokenize", json={"messages": MSGS}).json()["count"]
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (
+        n_prompt, 12, n_prompt + 12)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_stream_equals_non_stream_with_logprobs(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", logprobs=2, **GREEDY)
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # top-2 + sampled; equal strings merge
+    streamed = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == full.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy picks the top token
+
+
+def test_n_and_prompt_lists(client):
+    r = client.completions.create(model=MODEL, prompt=[[1, 2, 3], [5, 6, 7]], n=2, max_tokens=5, temperature=1.0,
+                                  seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 20
+    chat = client.chat.completions.create(model=MODEL, messages=MSGS, n=3, max_tokens=4, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+def test_seed_reproducibility(client):
+    def run(seed):
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    assert run(123) == run(123)
+    assert run(123) != run(456)
+
+
+def test_stop_string(client):
+    text = client.completions.create(model=MODEL, prompt="Hello", **GREEDY).choices[0].text
+    # two plain characters from the middle (a replacement character could match a partial token)
+    stops = [text[i:i + 2] for i in range(3, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isprintable()]
+    assert stops, text
+    stop = stops[0]
+    r = client.completions.create(model=MODEL, prompt="Hello", stop=[stop], **GREEDY).choices[0]
+    assert r.finish_reason == "stop" and r.text == text[: text.index(stop)]
+    assert r.model_extra["stop_reason"] == stop
+
+
+def test_errors(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1000)
+    assert "maximum context length is 256" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, temperature=-1)
+    assert e.value.body["param"] == "temperature" and e.value.body["code"] == 400
+    with pytest.raises(openai.BadRequestError, match="suffix is not supported"):
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MSGS)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}",
+                                                             "x-request-id": "req-42"},
+                   json={"model": MODEL, "messages": "nope"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "req-42"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"} and "messages" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/v1/nothing", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    assert httpx.get(f"{server}/health").status_code == 200  # no key needed
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 250, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        mid = _metrics(server)
+        assert mid["pagedllm:num_requests_running"] == 1 and mid["pagedllm:kv_cache_usage_perc"] > 0
+    for _ in range(100):
+        after = _metrics(server)
+        if after["pagedllm:num_requests_running"] == 0 and after["pagedllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["pagedllm:num_requests_running"] == 0 and after["pagedllm:kv_cache_usage_perc"] == 0
+    assert after['pagedllm:request_success_total{finished_reason="abort",model_name="tiny"}'] >= 1
+
+
+def test_32_concurrent_requests(server):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        async with aclient:
+            return await asyncio.gather(*[
+                aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                                max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                for i in range(32)])
+
+    results = asyncio.run(run())
+    assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8 for r in results)
+    assert len({r.id for r in results}) == 32
+    m = _metrics(server)
+    assert m["pagedllm:generation_tokens_total"] >= 256 and m["pagedllm:time_to_first_token_seconds_count"] >= 32
