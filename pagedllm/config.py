@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.model_executor.loader.default_model import DEFAULT_MODEL
 from pagedllm.model_executor.loader.model_path import resolve_model_path
 
 _DTYPES = {
@@ -186,7 +187,7 @@ class EngineArgs:
 
         return EngineConfig(
             model_config=ModelConfig(
-                model=self.model or "",
+                model=self.model or DEFAULT_MODEL,
                 model_path=model_path,
                 hf_config=hf_config,
                 dtype=dtype,

@@ -151,6 +151,9 @@ def _summarize(args, model: str, results: list[RequestResult], duration: float) 
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     metrics = asyncio.run(_run(args))
     print(f"============ Serving Benchmark Result ({metrics['model']}) ============")
     print(f"Successful requests: {metrics['completed']} / {metrics['num_prompts']}"

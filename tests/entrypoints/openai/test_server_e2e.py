@@ -208,3 +208,19 @@ def test_32_concurrent_requests(server):
     assert len({r.id for r in results}) == 32
     m = _metrics(server)
     assert m["pagedllm:generation_tokens_total"] >= 256 and m["pagedllm:time_to_first_token_seconds_count"] >= 32
+
+
+def test_bench_serve_against_real_server(server):
+    import argparse
+
+    from pagedllm.entrypoints.cli.bench_serve import run_bench_serve
+
+    args = argparse.Namespace(
+        base_url=server, model=None, api_key=API_KEY, num_prompts=6, input_len=8, output_len=5,
+        request_rate=float("inf"), max_concurrency=2, seed=0, output_json=None,
+    )
+    m = run_bench_serve(args)
+    assert m["completed"] == 6 and m["failed"] == 0
+    assert m["total_output_tokens"] == 6 * 5
+    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
+    assert m["mean_tpot_ms"] > 0 and m["output_throughput"] > 0
