@@ -32,6 +32,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
+    yield from _serve(tiny_llama, tmp_path_factory)
+
+
+def _serve(tiny_llama, tmp_path_factory, procs: list | None = None):
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = _free_port()
@@ -42,6 +46,8 @@ def server(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PAGEDLLM_API_KEY": ""})
+    if procs is not None:
+        procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     try:
@@ -224,3 +230,32 @@ def test_bench_serve_against_real_server(server):
     assert m["total_output_tokens"] == 6 * 5
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert m["mean_tpot_ms"] > 0 and m["output_throughput"] > 0
+
+
+def test_engine_core_death_gives_503_and_unhealthy(tiny_llama, tmp_path_factory):
+    """Kill the engine-core process of a live server: the in-flight stream ends with an
+    error, new requests get 503 and /health turns 503; nothing hangs."""
+    import psutil
+
+    procs: list = []
+    gen = _serve(tiny_llama, tmp_path_factory, procs)
+    url = next(gen)
+    try:
+        (core,) = [c for c in psutil.Process(procs[0].pid).children() if "core_proc" in " ".join(c.cmdline())]
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            core.kill()
+            rest = [line for line in lines if line]  # must terminate, with an error event before [DONE]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+        deadline = time.time() + 10
+        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+            assert time.time() < deadline, "/health never turned 503"
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers=headers, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        gen.close()
