@@ -55,23 +55,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] in the model dtype."""
-        plain_greedy = md.all_greedy and not (md.static_bias or md.banned_token_ids or md.penalty_rows
-                                              or md.logits_processors)
-        if plain_greedy and md.max_num_logprobs is None:
-            return SamplerOutput(logits.argmax(dim=-1))
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        logits = self._apply_logits_processors(logits, md)
-        for row, bias in md.static_bias.items():
-            logits[row] += bias
-        for row, banned in md.banned_token_ids.items():
-            logits[row, banned] = float("-inf")
-        if md.penalty_rows:
-            rows = torch.tensor(md.penalty_rows, device=logits.device)
-            logits[rows] = apply_penalties(
-                logits[rows], md.prompt_token_ids, md.output_token_ids,
-                md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
-            )
+        # Without logprobs, masks or penalties the logits stay in the model dtype: argmax and
+        # top-k need no float32 copy of [B, vocab] (bf16 → fp32 is exact, so results agree).
+        raw_logprobs = None
+        if md.max_num_logprobs is not None or md.static_bias or md.banned_token_ids or md.penalty_rows \
+                or md.logits_processors:
+            logits = logits.float()
+            raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+            logits = self._apply_logits_processors(logits, md)
+            for row, bias in md.static_bias.items():
+                logits[row] += bias
+            for row, banned in md.banned_token_ids.items():
+                logits[row, banned] = float("-inf")
+            if md.penalty_rows:
+                rows = torch.tensor(md.penalty_rows, device=logits.device)
+                logits[rows] = apply_penalties(
+                    logits[rows], md.prompt_token_ids, md.output_token_ids,
+                    md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
+                )
         sampled = self._sample(logits, md)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
@@ -92,7 +93,6 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids
-        logits = logits / md.temperature.unsqueeze(1)
         out = greedy_ids.clone()
         random_rows = ~md.greedy
         top_k = md.top_k if md.top_k is not None else torch.zeros_like(greedy_ids)
@@ -110,7 +110,8 @@ class Sampler:
         """Rows with top-k: everything (min_p, top_p, the draw) happens on the k candidates,
         never sorting or normalising the whole vocabulary."""
         k = md.top_k[idx]
-        vals, ids = logits.topk(int(k.max()), dim=-1)  # sorted, descending
+        vals, ids = logits.topk(int(k.max()), dim=-1)  # sorted, descending; order is scale-free
+        vals = vals.float() / md.temperature[idx].unsqueeze(1)
         vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device) >= k.unsqueeze(1), float("-inf"))
         if md.min_p is not None:  # p / p_max does not depend on the normalisation
             vals = vals.masked_fill(vals - vals[:, :1] < md.min_p[idx].log().unsqueeze(1), float("-inf"))
@@ -122,6 +123,7 @@ class Sampler:
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
+        logits = logits.float() / md.temperature[idx].unsqueeze(1)
         if md.min_p is not None:
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * md.min_p[idx].unsqueeze(1)
