@@ -140,7 +140,7 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
             if request.group_id is not None:
-                self.group_leaders[request.group_id] = request
+                self.group_leaders.setdefault(request.group_id, request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 

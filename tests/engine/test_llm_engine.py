@@ -65,3 +65,27 @@ def test_priority_scheduling(tiny_llama):
 def test_priority_needs_priority_policy(engine):
     with pytest.raises(ValueError, match="priority"):
         engine.add_request("x", [5], SamplingParams(), priority=3)
+
+
+def test_parallel_samples_share_prompt_blocks(tiny_llama):
+    """n > 1: the siblings wait for the first sample's prompt to be cached, then take
+    references on its full blocks instead of computing their own copies."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 22))
+    prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16 + 8
+    engine.add_request("p", prompt, SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True))
+    shared_refs = []
+    finished = None
+    while engine.has_unfinished_requests():
+        kv = engine.engine_core.scheduler.kv_cache_manager
+        blocks = [kv.req_to_blocks.get(f"{i}_p", []) for i in range(4)]
+        if all(blocks):
+            shared_refs.append([b.ref_cnt for b in blocks[0][:2]])
+            assert all(b[:2] == blocks[0][:2] for b in blocks), "siblings hold different prompt blocks"
+        for out in engine.step():
+            if out.finished:
+                finished = out
+    assert shared_refs and shared_refs[0] == [4, 4]
+    assert len(finished.outputs) == 4
+    stats = engine.get_stats()
+    assert stats["prefix_cache_hits"] == 3 * 32
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
