@@ -20,6 +20,45 @@ LogitsProcessor = (
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, a choice of strings, an EBNF/GBNF
+    grammar or any JSON object. Exactly one of them."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec) — the cache key of the compiled grammar."""
+        import json as _json
+
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            return "json", spec
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -48,6 +87,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the processor: stop ids that min_tokens must hold back (EOS + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled in by the processor: token-id sequences for `bad_words`.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.kv_cache_utils import BlockHash
 from pagedllm.sampling_params import SamplingParams
@@ -12,6 +13,7 @@ from pagedllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
+    WAITING_FOR_FSM = 6  # its grammar is still compiling
     RUNNING = 1
     PREEMPTED = 2
     # Everything from here on is finished.
@@ -21,7 +23,7 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= status <= RequestStatus.FINISHED_ABORTED
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
@@ -73,6 +75,7 @@ class Request:
     # Requests of the same parent (n > 1) share a group: siblings wait for the first
     # one's prompt to be cached, then reuse its blocks.
     group_id: str | None = None
+    structured_output: Any = None  # StructuredOutputRequest while it has a grammar
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,6 +28,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that finished since the last step, so the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: [n, vocab/32] int32 bitmask of allowed next tokens, req_id → row.
+    grammar_bitmask: Any = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -19,7 +19,9 @@ from pagedllm.engine import EngineCoreOutput
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, structured_output_manager=None
+    ) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -31,9 +33,18 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.group_leaders: dict[str, Request] = {}  # n > 1: the sibling that prefills first
+        self.structured_output_manager = structured_output_manager
+        # Outputs produced outside a forward pass (e.g. a grammar that failed to compile).
+        self.pending_outputs: list[EngineCoreOutput] = []
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs are not enabled in this engine")
+            request.structured_output = self.structured_output_manager.submit(so_params)
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -53,7 +64,12 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
     def _free_request(self, request: Request) -> None:
+        request.structured_output = None
         if request.group_id is not None and self.group_leaders.get(request.group_id) is request:
             del self.group_leaders[request.group_id]
         self.kv_cache_manager.free(request)
@@ -113,6 +129,7 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step already had to preempt.
+        skipped: list[Request] = []  # grammars still compiling: they wait, the others go on
         while (
             not preempted
             and len(self.waiting)
@@ -120,6 +137,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output.ready():
+                    skipped.append(self.waiting.pop())
+                    continue
+                if request.structured_output.error is not None:
+                    self._fail_grammar(request)
+                    continue
+                request.status = RequestStatus.WAITING
             if self._wait_for_sibling(request):
                 break
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
@@ -144,7 +169,17 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         return self._build_output(num_scheduled, preempted)
+
+    def _fail_grammar(self, request: Request) -> None:
+        self.waiting.pop()
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self.pending_outputs.append(
+            EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {request.structured_output.error}")
+        )
 
     def _wait_for_sibling(self, request: Request) -> bool:
         """Samples of one prompt (n > 1) start after the first has its prompt in the cache,
@@ -181,6 +216,13 @@ class Scheduler:
             # Advance now, so the next schedule() sees these tokens as in flight.
             request.num_computed_tokens = start + n
             out.total_num_scheduled_tokens += n
+        grammar_reqs = [
+            (s.req_id, self.requests[s.req_id].structured_output)
+            for s in out.scheduled
+            if s.sample and self.requests[s.req_id].structured_output is not None
+        ]
+        if grammar_reqs:
+            out.grammar_bitmask, out.grammar_rows = self.structured_output_manager.grammar_bitmask(grammar_reqs)
         return out
 
     # ---- after the forward pass ------------------------------------------
@@ -203,6 +245,12 @@ class Scheduler:
             first = request.num_output_tokens == 0
             request.append_output_token_ids(token)
             stopped = self._check_stop(request, token)
+            so = request.structured_output
+            if so is not None and not stopped:
+                # A complete grammar ends the request (it would only allow stop tokens now).
+                if not so.matcher.accept_token(token) or so.matcher.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped = True
             entry = logprobs[row] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(

@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class EngineCore:
             )
         cache.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(sched, cache)
+        self.structured_output_manager = StructuredOutputManager(config.model_config)
+        self.scheduler = Scheduler(sched, cache, self.structured_output_manager)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
                     num_blocks * self.model_runner.bytes_per_block() / 2**20)
 
@@ -46,10 +48,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return EngineCoreOutputs(timestamp=time.time())
-        runner_out = self.model_runner.execute_model(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = self.scheduler.take_pending_outputs()
+        if not sched_out.is_empty:
+            runner_out = self.model_runner.execute_model(sched_out)
+            outputs += self.scheduler.update_from_output(sched_out, runner_out)
+        elif not outputs and self.scheduler.has_unfinished_requests():
+            time.sleep(0.001)  # only grammars compiling: do not spin a core against the compiler
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     # ---- stats ------------------------------------------------------------

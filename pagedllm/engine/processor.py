@@ -86,6 +86,10 @@ class Processor:
         if params.allowed_token_ids is not None:
             self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output.grammar import validate
+
+            validate(params.structured_outputs)  # a bad schema is the caller's error, before scheduling
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - prompt_len

@@ -136,7 +136,10 @@ class ModelRunner:
             logits_idx = torch.from_numpy(cu_end[sample_rows] - 1).to(dev)
             logits = self.model.compute_logits(hidden[logits_idx])
             sample_reqs = [reqs[i] for i in sample_rows]
-            result = self.sampler(logits, self.sampling_metadata.build(sample_reqs))
+            md = self.sampling_metadata.build(sample_reqs)
+            if sched.grammar_bitmask is not None:
+                md.grammar_bitmask = _rows_bitmask(sched, sample_reqs)
+            result = self.sampler(logits, md)
             for row, tok in zip(sample_rows, result.sampled_token_ids.tolist()):
                 out.sampled_token_ids[row] = tok
             if result.logprobs is not None:
@@ -167,3 +170,14 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _rows_bitmask(sched: SchedulerOutput, sample_reqs) -> torch.Tensor:
+    """The scheduler's grammar bitmask laid out by sample row; rows without a grammar allow all."""
+    rows = sched.grammar_rows
+    full = torch.full((len(sample_reqs), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+    for k, r in enumerate(sample_reqs):
+        row = rows.get(r.req_id)
+        if row is not None:
+            full[k] = sched.grammar_bitmask[row]
+    return full

@@ -76,6 +76,13 @@ class SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Structured outputs: vLLM's `structured_outputs` object and the legacy guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessageParam(OpenAIBaseModel):
@@ -94,7 +101,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -85,9 +85,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_common(request)
         if request.tool_choice not in (None, "none"):
             raise OpenAIError("tool calling is not supported; tool_choice must be 'none'", param="tool_choice")
-        fmt = (request.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise OpenAIError(f"response_format type {fmt!r} is not supported", param="response_format")
         if request.top_logprobs is not None:
             if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
                 raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")

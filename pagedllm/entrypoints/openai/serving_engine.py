@@ -16,7 +16,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class OpenAIServing:
                 logit_bias=logit_bias,
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
+                structured_outputs=structured_outputs_of(request),
             )
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e), request)) from None
@@ -224,3 +225,34 @@ def _param_of(message: str, request: SamplingRequest) -> str | None:
     """SamplingParams' messages start with the offending field's name; report it as `param`."""
     word = message.split(" ", 1)[0].strip(":,")
     return word if word in type(request).model_fields else None
+
+
+def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
+    """One constraint from `structured_outputs`, `response_format` or a legacy guided_* field."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    if request.structured_outputs is not None:
+        try:
+            found.append(("structured_outputs", StructuredOutputsParams(**request.structured_outputs)))
+        except TypeError as e:
+            raise OpenAIError(f"structured_outputs: {e}", param="structured_outputs") from None
+    fmt = request.response_format or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        found.append(("response_format", StructuredOutputsParams(json_object=True)))
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema") or {}
+        schema = spec.get("schema", spec.get("json_schema"))
+        if not isinstance(schema, (dict, str)):
+            raise OpenAIError("response_format.json_schema.schema must be a JSON schema", param="response_format")
+        found.append(("response_format", StructuredOutputsParams(json=schema)))
+    elif kind != "text":
+        raise OpenAIError(f"response_format type {kind!r} is not supported", param="response_format")
+    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            found.append((name, StructuredOutputsParams(**{field: value})))
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise OpenAIError(f"give only one structured-output constraint, got {names}", param=found[1][0])
+    return found[0][1] if found else None

@@ -38,6 +38,8 @@ class SamplingMetadata:
     repetition_penalties: list[float] = field(default_factory=list)
     # row → (callables, prompt ids, output ids)
     logits_processors: dict[int, tuple[list, list[int], list[int]]] = field(default_factory=dict)
+    # Structured outputs: [B, vocab/32] int32 bitmask of allowed tokens (all bits set for free rows).
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -59,9 +61,13 @@ class Sampler:
         # top-k need no float32 copy of [B, vocab] (bf16 → fp32 is exact, so results agree).
         raw_logprobs = None
         if md.max_num_logprobs is not None or md.static_bias or md.banned_token_ids or md.penalty_rows \
-                or md.logits_processors:
+                or md.logits_processors or md.grammar_bitmask is not None:
             logits = logits.float()
             raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+            if md.grammar_bitmask is not None:
+                import xgrammar as xgr
+
+                xgr.apply_token_bitmask_inplace(logits, md.grammar_bitmask.to(logits.device))
             logits = self._apply_logits_processors(logits, md)
             for row, bias in md.static_bias.items():
                 logits[row] += bias

@@ -46,29 +46,38 @@ class ParsedOutput:
     valid: bool = True  # False: some call markup is malformed, so the whole output is plain content
 
 
-def hold_back(text: str, markers: tuple[str, ...] = ()) -> str:
-    """`text` minus a trailing partial marker (it may be the start of call markup) and trailing whitespace
-    (it may end up next to call markup, where it is not content)."""
+def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest proper prefix of a marker that `text` ends with (0 if none)."""
     cut = 0
     for m in markers:
         for k in range(min(len(m) - 1, len(text)), cut, -1):
             if text.endswith(m[:k]):
                 cut = k
                 break
+    return cut
+
+
+def hold_back(text: str, markers: tuple[str, ...] = ()) -> str:
+    """`text` minus a trailing partial marker (it may be the start of call markup) and trailing whitespace
+    (it may end up next to call markup, where it is not content)."""
+    cut = _partial_marker_len(text, markers)
     return (text[:-cut] if cut else text).rstrip()
 
 
 def join_content(segments: list[str], final: bool, markers: tuple[str, ...] = ()) -> str:
     """Content from the text outside call markup: `segments[0]` precedes the first markup (if any), the
     rest follow markup. Whitespace that only separates content from markup at either end is dropped
-    (so "Sure.\\n<call>" gives "Sure."), whitespace between content pieces is kept."""
-    text = "".join(segments)
+    (so "Sure.\n<call>" gives "Sure."), whitespace between content pieces is kept. While streaming, the
+    last segment may end in a marker that is still arriving: that part is held back."""
     calls_seen = len(segments) > 1
-    if calls_seen and not segments[0].strip():
-        text = text.lstrip()
+    lead_markup = calls_seen and not segments[0].strip()
     if not final:
-        return hold_back(text, markers)
-    return text.rstrip() if calls_seen else text
+        cut = _partial_marker_len(segments[-1], markers)
+        segments = segments[:-1] + [segments[-1][:len(segments[-1]) - cut]]
+    text = "".join(segments)
+    if lead_markup:
+        text = text.lstrip()
+    return text.rstrip() if calls_seen or not final else text
 
 
 def is_json_object(s: str) -> bool:

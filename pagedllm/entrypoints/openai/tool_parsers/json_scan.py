@@ -182,6 +182,8 @@ def _walk_object(text: str, i: int, found: dict[str, int]) -> int:
         if slot and i < n:
             found[slot] = i
         v_end = value_end(text, i)
+        if slot == "name" and not json.loads(text[i:v_end]).strip():
+            raise JsonInvalid  # a call needs a function name
         if slot:
             found[slot + "_end"] = v_end
         if slot == "args" and text[i] == '"' and not is_json_object(json.loads(text[i:v_end])):

@@ -1,0 +1,1 @@
+"""Structured outputs (JSON schema, regex, choice, EBNF grammar) with xgrammar."""
