@@ -29,6 +29,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # JSON only: no free whitespace between tokens (compact JSON; a weak model cannot ramble).
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [
@@ -47,7 +49,8 @@ class StructuredOutputsParams:
         import json as _json
 
         if self.json is not None:
-            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            # Not sort_keys: the grammar emits properties in the schema's order, as the caller wrote it.
+            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json)
             return "json", spec
         if self.regex is not None:
             return "regex", self.regex

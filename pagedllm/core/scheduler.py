@@ -139,8 +139,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output.ready():
-                    skipped.append(self.waiting.pop())
-                    continue
+                    break
                 if request.structured_output.error is not None:
                     self._fail_grammar(request)
                     continue
@@ -174,12 +173,11 @@ class Scheduler:
         return self._build_output(num_scheduled, preempted)
 
     def _fail_grammar(self, request: Request) -> None:
+        error = request.structured_output.error  # read before _free_request drops it
         self.waiting.pop()
         request.status = RequestStatus.FINISHED_ABORTED
         self._free_request(request)
-        self.pending_outputs.append(
-            EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {request.structured_output.error}")
-        )
+        self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {error}"))
 
     def _wait_for_sibling(self, request: Request) -> bool:
         """Samples of one prompt (n > 1) start after the first has its prompt in the cache,

@@ -64,9 +64,11 @@ class GrammarCompiler:
         kind, spec = params.key()
         try:
             if kind == "json":
-                return self.compiler.compile_json_schema(_schema(spec))
+                free_ws = not params.disable_any_whitespace
+                return self.compiler.compile_json_schema(_schema(spec), any_whitespace=free_ws)
             if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                # An object, as vLLM: the builtin JSON grammar would also allow a top-level array.
+                return self.compiler.compile_json_schema('{"type": "object"}')
             if kind == "regex":
                 return self.compiler.compile_regex(spec)
             if kind == "choice":

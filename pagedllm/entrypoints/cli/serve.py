@@ -28,6 +28,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--chat-template", default=None, help="Jinja chat template, as a file path or inline text")
     p.add_argument("--allowed-origins", nargs="+", default=None,
                    help="CORS origins to allow (space- or comma-separated); default: no CORS headers")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, help="hermes, llama3_json, mistral or pythonic")
+    p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 or qwen3")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_serve)

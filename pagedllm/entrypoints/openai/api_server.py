@@ -131,7 +131,12 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     model_config = engine.model_config
     names = list(getattr(args, "served_model_name", None) or []) or [model_config.model or model_config.model_path]
     metrics = ServerMetrics(names[0])
-    chat = OpenAIServingChat(engine, names, metrics, getattr(args, "chat_template", None))
+    chat = OpenAIServingChat(
+        engine, names, metrics, getattr(args, "chat_template", None),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+    )
     completion = OpenAIServingCompletion(engine, names, metrics)
     tokenization = OpenAIServingTokenization(chat)
 

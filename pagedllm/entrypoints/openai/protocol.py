@@ -8,6 +8,7 @@ serving_engine.py so this file stays a plain schema. Response models are dumped 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -170,9 +171,39 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+def random_tool_call_id() -> str:
+    """OpenAI-style id (`call_` + 24 hex chars): unique per call so clients can pair results with calls."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON string, as OpenAI clients expect
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=random_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall = Field(default_factory=DeltaFunctionCall)
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -196,6 +227,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

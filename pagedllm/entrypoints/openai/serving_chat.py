@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.chat_utils import render_conversations, resolve_chat_template
+from pagedllm.entrypoints.openai.chat_tools import ChoiceParser, tool_constraint, tool_mode
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,11 +49,29 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine: Any, served_model_names: list[str], metrics: ServerMetrics | None, chat_template: str | None
+        self, engine: Any, served_model_names: list[str], metrics: ServerMetrics | None, chat_template: str | None,
+        tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, served_model_names, metrics)
         # --chat-template is read once at startup, so a bad path fails there and not per request.
         self.chat_template = resolve_chat_template(self.tokenizer, chat_template) if chat_template else None
+        if enable_auto_tool_choice and not tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+        # Unknown names fail at start-up, listing the known ones.
+        self.tool_parser_cls = ToolParserManager.get(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser_cls = ReasoningParserManager.get(reasoning_parser) if reasoning_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def _choice_parser(self, mode: str | None, name: str | None) -> ChoiceParser:
+        return ChoiceParser(
+            mode, name,
+            self.tool_parser_cls(self.tokenizer) if self.tool_parser_cls else None,
+            self.reasoning_parser_cls(self.tokenizer) if self.reasoning_parser_cls else None,
+        )
 
     def render(
         self,
@@ -83,8 +102,6 @@ class OpenAIServingChat(OpenAIServing):
 
     def _check(self, request: ChatCompletionRequest) -> None:
         self.check_common(request)
-        if request.tool_choice not in (None, "none"):
-            raise OpenAIError("tool calling is not supported; tool_choice must be 'none'", param="tool_choice")
         if request.top_logprobs is not None:
             if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
                 raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
@@ -105,10 +122,18 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.check_length(len(ids), max_tokens, prompt_param="messages")
         top_n = request.top_logprobs or 0
+        mode, tool_name = tool_mode(request, self.enable_auto_tool_choice and self.tool_parser_cls is not None)
         params = self.sampling_params(
             request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
         )
+        constraint = tool_constraint(request, mode, tool_name)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError("tool_choice cannot be combined with another structured-output constraint",
+                                  param="tool_choice")
+            params.structured_outputs = constraint
+        parsers = [self._choice_parser(mode, tool_name) for _ in range(request.n or 1)]
         request_id = f"chatcmpl-{request.request_id or random_id()}"
         last = request.messages[-1]
         echo = last.content if request.echo and last.role == "assistant" and isinstance(last.content, str) else ""
@@ -116,23 +141,26 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if request.stream:
             [stream] = await run_until_disconnected(raw_request, peek_all([stream]))
-            body = self._stream(request, stream, request_id, model, created, echo)
+            body = self._stream(request, stream, request_id, model, created, echo, parsers)
             return EngineStreamingResponse(body, on_close=lambda: self.abort(request_id))
         final = await run_until_disconnected(raw_request, _last(stream))
-        return JSONResponse(self._response(request, final, request_id, model, created, echo).model_dump())
+        return JSONResponse(self._response(request, final, request_id, model, created, echo, parsers).model_dump())
 
     def _response(
         self, request: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str, created: int,
-        echo: str,
+        echo: str, parsers: list[ChoiceParser],
     ) -> ChatCompletionResponse:
         choices = []
         for c in final.outputs:
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer)
+            reasoning, content, tool_calls = parsers[c.index].final(c.text)
+            finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            message = ChatMessage(role="assistant", content=echo + content if content is not None else
+                                  (echo or None), reasoning_content=reasoning, tool_calls=tool_calls)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(role="assistant", content=echo + c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=c.index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason,
             ))
         prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None
         return ChatCompletionResponse(
@@ -142,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self, request: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], request_id: str, model: str,
-        created: int, echo: str,
+        created: int, echo: str, parsers: list[ChoiceParser],
     ) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -175,10 +203,17 @@ class OpenAIServingChat(OpenAIServing):
                     if not d.text and d.finish_reason is None and not (wants_logprobs and d.token_ids):
                         continue  # tokens whose text is held back (a possible stop string)
                     logprobs = chat_logprobs(d.token_ids, d.logprobs, top_n, self.tokenizer) if wants_logprobs else None
-                    delta = DeltaMessage(content=d.text) if d.text or d.finish_reason is None else DeltaMessage()
+                    parser = parsers[c.index]
+                    finished = d.finish_reason is not None
+                    delta = parser.delta(c.text[: len(c.text) - len(d.text)], c.text, finished) or DeltaMessage()
+                    if delta == DeltaMessage() and not finished and not (wants_logprobs and d.token_ids):
+                        continue  # text the parsers hold back (a possible tag or call markup)
+                    finish = d.finish_reason
+                    if finish == "stop" and parser.called_tools:
+                        finish = "tool_calls"
                     usage = usage_info(prompt_tokens, tracker.num_tokens(c.index)) if continuous else None
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason,
+                        index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish,
                         stop_reason=d.stop_reason,
                     ), usage)
             if include_usage and last is not None:

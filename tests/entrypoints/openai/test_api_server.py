@@ -46,7 +46,8 @@ def test_chat_completion_body(client, fake_engine):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == "fake-model"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": " w0 w1 w2"},
+    message = {"role": "assistant", "content": " w0 w1 w2", "reasoning_content": None, "tool_calls": []}
+    assert body["choices"] == [{"index": 0, "message": message,
                                 "logprobs": None, "finish_reason": "length", "stop_reason": None}]
     prompt, params, *_ = fake_engine.calls[0]
     assert prompt["prompt"] == "user: Hello\nassistant:"  # rendered with the server's template

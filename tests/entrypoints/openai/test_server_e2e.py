@@ -35,14 +35,14 @@ def server(tiny_llama, tmp_path_factory):
     yield from _serve(tiny_llama, tmp_path_factory)
 
 
-def _serve(tiny_llama, tmp_path_factory, procs: list | None = None):
+def _serve(tiny_llama, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = ()):
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = _free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", MODEL,
            "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
-           "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning", *extra_args]
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PAGEDLLM_API_KEY": ""})

@@ -9,47 +9,24 @@ from __future__ import annotations
 
 import secrets
 import string
-import uuid
-from typing import Literal
 
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
+from pagedllm.entrypoints.openai.protocol import (  # noqa: F401 (re-exported for the parsers)
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    OpenAIBaseModel,
+    ToolCall,
+    random_tool_call_id,
+)
 
 _ALNUM = string.ascii_letters + string.digits
-
-
-def random_tool_call_id() -> str:
-    """OpenAI-style id (`call_` + 24 hex chars): unique per call so clients can pair results with calls."""
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def random_mistral_tool_call_id() -> str:
     """Mistral's chat templates reject any tool-call id that is not exactly 9 alphanumerics."""
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
-
-
-class FunctionCall(OpenAIBaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(OpenAIBaseModel):
-    id: str = Field(default_factory=random_tool_call_id)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(OpenAIBaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall = Field(default_factory=DeltaFunctionCall)
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -1,0 +1,94 @@
+"""Tool calling through a real server and the openai SDK. A random-weight model never
+learned tools: `required` and named tool_choice still give valid calls because the
+structured-output grammar built from the tools' schemas enforces them."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, tmp_path_factory):
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    gen = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
+    url = next(gen)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    gen.close()
+
+
+def _check_calls(calls, names):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_give_valid_calls(client, stream):
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        kwargs = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=3,
+                      max_tokens=120, n=2)
+        if not stream:
+            resp = client.chat.completions.create(**kwargs)
+            for c in resp.choices:
+                assert c.finish_reason == "tool_calls" and not c.message.content
+                _check_calls(c.message.tool_calls, names)
+            continue
+        calls: dict[tuple[int, int], dict] = {}
+        finish = {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for ch in chunk.choices:
+                for d in ch.delta.tool_calls or []:
+                    entry = calls.setdefault((ch.index, d.index), {"name": None, "args": "", "id": None})
+                    if d.function and d.function.name:
+                        assert entry["name"] is None, "the name is sent once, first"
+                        entry["name"], entry["id"] = d.function.name, d.id
+                    if d.function and d.function.arguments:
+                        assert entry["name"] is not None, "arguments before the name"
+                        entry["args"] += d.function.arguments
+                if ch.finish_reason:
+                    finish[ch.index] = ch.finish_reason
+        assert finish == {0: "tool_calls", 1: "tool_calls"}
+        assert {k[0] for k in calls} == {0, 1}
+        for entry in calls.values():
+            assert entry["name"] in names and entry["id"]
+            jsonschema.validate(json.loads(entry["args"]), SCHEMAS[entry["name"]])
+
+
+def test_tool_choice_errors(client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, tool_choice="required")
+
+
+def test_auto_tool_choice_without_markup_is_plain_content(client):
+    """The random model writes no <tool_call> markup: auto mode returns its text as content."""
+    resp = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="auto",
+                                          temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    c = resp.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls
