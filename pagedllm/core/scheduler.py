@@ -139,7 +139,8 @@ class Scheduler:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output.ready():
-                    break
+                    skipped.append(self.waiting.pop())
+                    continue
                 if request.structured_output.error is not None:
                     self._fail_grammar(request)
                     continue

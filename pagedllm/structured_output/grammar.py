@@ -64,8 +64,9 @@ class GrammarCompiler:
         kind, spec = params.key()
         try:
             if kind == "json":
-                free_ws = not params.disable_any_whitespace
-                return self.compiler.compile_json_schema(_schema(spec), any_whitespace=free_ws)
+                if params.disable_any_whitespace:
+                    return self.compiler.compile_json_schema(_schema(spec), any_whitespace=False, separators=(",", ":"))
+                return self.compiler.compile_json_schema(_schema(spec))
             if kind == "json_object":
                 # An object, as vLLM: the builtin JSON grammar would also allow a top-level array.
                 return self.compiler.compile_json_schema('{"type": "object"}')

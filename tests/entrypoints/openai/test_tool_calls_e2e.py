@@ -49,12 +49,15 @@ def _check_calls(calls, names):
 def test_required_and_named_tool_choice_give_valid_calls(client, stream):
     for choice, names in (("required", {"get_weather", "get_time"}),
                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        # One call per choice (parallel_tool_calls=False): a random model would otherwise append calls
+        # until max_tokens.
         kwargs = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=3,
-                      max_tokens=120, n=2)
+                      max_tokens=200, n=2, parallel_tool_calls=False)
         if not stream:
             resp = client.chat.completions.create(**kwargs)
             for c in resp.choices:
                 assert c.finish_reason == "tool_calls" and not c.message.content
+                assert len(c.message.tool_calls) == 1
                 _check_calls(c.message.tool_calls, names)
             continue
         calls: dict[tuple[int, int], dict] = {}
