@@ -203,3 +203,15 @@ def test_registry():
     assert Dummy().extract_tool_calls("x").content == "x"  # a buggy parser degrades to plain content
     assert Dummy().extract_tool_calls_streaming("", "x", "x") is None
     ToolParserManager._parsers.pop("test_dummy")
+
+
+@pytest.mark.parametrize("name,prefix", [("hermes", '<tool_call>{"name": "f", "arguments": {"q": "'),
+                                         ("pythonic", "[f(q='")])
+def test_long_unfinished_string_scans_in_linear_time(name, prefix):
+    """Streaming rescans the open call on every delta; an unclosed string must not make a regex backtrack
+    exponentially (this hung before the string patterns were unrolled)."""
+    parser = ToolParserManager.get(name)()
+    text = prefix + "word, (x) " * 20000
+    d = parser.extract_tool_calls_streaming("", text, text)
+    assert d.tool_calls[0].function.name == "f"
+    assert parser.extract_tool_calls(text + ("\"}}</tool_call>" if name == "hermes" else "')]")).tools_called

@@ -18,7 +18,8 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedCall, is_jso
 
 ARG_KEYS = ("arguments", "parameters")
 _WS = re.compile(r"[ \t\n\r]*")
-_CHARS = r'(?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
+# unambiguous ("unrolled") so a string that is not closed yet fails in linear time, not exponential
+_CHARS = r'[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*'
 _STRING = re.compile(f'"{_CHARS}"')
 _STRING_PREFIX = re.compile(f'"{_CHARS}(?:\\\\(?:u[0-9a-fA-F]{{0,3}})?)?\\Z')
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
@@ -121,21 +122,16 @@ class ObjectScan:
 
 def scan_call_object(text: str, i: int) -> ObjectScan:
     """Scan `{"name": ..., "arguments"|"parameters": {...}, ...}` starting at text[i] == "{"."""
-    found: dict[str, int] = {}  # "name"/"args" -> value start, "args_end" -> value end
-    name: str | None = None
+    found: dict[str, int] = {}  # "name"/"args" -> value start, "name_end"/"args_end" -> value end
     end: int | None = None
     invalid = False
     try:
         end = _walk_object(text, i, found)
-        if "name" in found:
-            name = json.loads(text[found["name"]:found["name_end"]])
     except JsonIncomplete:
-        if "name_end" in found:
-            name = json.loads(text[found["name"]:found["name_end"]])
+        pass
     except JsonInvalid:
         invalid = True
-        if "name_end" in found:
-            name = json.loads(text[found["name"]:found["name_end"]])
+    name = json.loads(text[found["name"]:found["name_end"]]) if "name_end" in found else None
     if name is None:
         return ObjectScan(None, end, invalid)
     start, args_end = found.get("args"), found.get("args_end")

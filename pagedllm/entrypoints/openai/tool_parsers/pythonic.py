@@ -10,6 +10,7 @@ parse is checked against `ast.parse` of the whole list, so only what Python itse
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from typing import Any
@@ -35,23 +36,42 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
+@functools.lru_cache(maxsize=4096)
+def _literal_json(source: str) -> str:
+    """JSON of a Python literal; cached because streaming re-reads finished arguments on every delta."""
+    try:
+        return _dumps(ast.literal_eval(source.strip()))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise _Invalid from None
+
+
+# Regexes rather than a per-character loop: streaming rescans the list on every delta.
+_SPECIAL = re.compile(r"[\"'()\[\]{},]")
+_BODY = {q: re.compile(rf"[^{q}\\\n]*(?:\\[\s\S][^{q}\\\n]*)*{q}") for q in "'\""}  # after the quote
+_BODY3 = {q: re.compile(rf"[^{q}\\]*(?:(?:\\[\s\S]|{q}(?!{q}{q}))[^{q}\\]*)*{q}{q}{q}") for q in "'\""}
+
+
 def _value_end(text: str, i: int) -> int | None:
     """Index of the `,` or `)` that ends the argument value starting at i; None if the text ends first."""
     n, depth = len(text), 0
-    while i < n:
-        c = text[i]
+    while True:
+        m = _SPECIAL.search(text, i)
+        if m is None:
+            return None
+        i, c = m.start(), m.group()
         if c in "\"'":
-            quote = c * 3 if text.startswith(c * 3, i) else c
-            if quote == c and i + 2 == n and text[i + 1] == c:
+            if text.startswith(c * 3, i):
+                body = _BODY3[c].match(text, i + 3)
+            elif i + 2 == n and text[i + 1] == c:
                 return None  # `""` at the end may be the start of a triple quote
-            j = i + len(quote)
-            while not text.startswith(quote, j):
-                if j >= n:
-                    return None
-                if text[j] == "\n" and len(quote) == 1:
-                    raise _Invalid
-                j += 2 if text[j] == "\\" else 1
-            i = j + len(quote)
+            else:
+                body = _BODY[c].match(text, i + 1)
+            if body is None:
+                rest = text[i:]
+                if c * 3 == rest[:3] or "\n" not in rest.replace("\\\n", ""):
+                    return None  # the string is still arriving
+                raise _Invalid  # a newline inside a one-line string
+            i = body.end()
             continue
         if c in "([{":
             depth += 1
@@ -64,7 +84,6 @@ def _value_end(text: str, i: int) -> int | None:
         elif c == "," and depth == 0:
             return i
         i += 1
-    return None
 
 
 def _scan_args(text: str, i: int, call: ParsedCall) -> int | None:
@@ -89,12 +108,8 @@ def _scan_args(text: str, i: int, call: ParsedCall) -> int | None:
         end = _value_end(text, k + 1)
         if end is None:
             return None
-        try:
-            value = ast.literal_eval(text[k + 1:end].strip())
-            piece = f"{_dumps(m.group())}: {_dumps(value)}"
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise _Invalid from None
-        args[m.group()] = value
+        piece = f"{_dumps(m.group())}: {_literal_json(text[k + 1:end])}"
+        args[m.group()] = piece
         call.arguments = call.arguments + ", " + piece if len(args) > 1 else "{" + piece
         i = end + 1 if text[end] == "," else end
 
