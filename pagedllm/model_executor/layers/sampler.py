@@ -96,20 +96,29 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy_ids
-        out = greedy_ids.clone()
+            return greedy_argmax(logits)
+        num_rows = logits.shape[0]
+        out = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+        top_k = md.top_k if md.top_k is not None else torch.zeros(num_rows, dtype=torch.long, device=logits.device)
         random_rows = ~md.greedy
-        top_k = md.top_k if md.top_k is not None else torch.zeros_like(greedy_ids)
         # The path depends only on the row's own parameters, so a seeded row draws the
         # same numbers whatever else is in the batch.
-        paths = ((random_rows & (top_k > 0), self._sample_top_k), (random_rows & (top_k == 0), self._sample_full))
+        paths = (
+            (md.greedy, None),
+            (random_rows & (top_k > 0), self._sample_top_k),
+            (random_rows & (top_k == 0), self._sample_full),
+        )
         for rows, sample in paths:
             idx = torch.nonzero(rows).flatten()
-            if idx.numel():
-                gens = {j: md.generators[int(r)] for j, r in enumerate(idx.tolist()) if int(r) in md.generators}
-                out[idx] = sample(logits[idx], idx, md, gens)
+            if not idx.numel():
+                continue
+            sub = logits if idx.numel() == num_rows else logits[idx]  # no [B, vocab] copy when all rows agree
+            if sample is None:
+                out[idx] = greedy_argmax(sub)
+                continue
+            gens = {j: md.generators[int(r)] for j, r in enumerate(idx.tolist()) if int(r) in md.generators}
+            out[idx] = sample(sub, idx, md, gens)
         return out
 
     def _sample_top_k(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
@@ -152,7 +161,13 @@ class Sampler:
         for row, gen in generators.items():
             width = widths[row] if widths is not None else probs.shape[1]
             q[row, :width].exponential_(generator=gen)
-        return probs.div_(q).argmax(dim=-1)
+        return greedy_argmax(probs.div_(q))
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """max(dim).indices: the same first-maximum index as argmax, but argmax over bf16 is not
+    vectorised on CPU (30 ms vs 8 ms for [64, 262144] here)."""
+    return logits.max(dim=-1).indices
 
 
 def gather_logprobs(
