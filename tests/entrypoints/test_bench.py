@@ -88,3 +88,13 @@ def test_latency(model_dir: str, tmp_path, capsys) -> None:
     assert json.loads(out_json.read_text()) == m
     printed = capsys.readouterr().out
     assert "TTFT:" in printed and "TPOT:" in printed and "Avg latency:" in printed
+
+
+def test_throughput_sampling_with_greedy_baseline(model_dir: str, capsys) -> None:
+    args = _parse(["bench", "throughput", *_engine_flags(model_dir), "--num-prompts", str(NUM_PROMPTS),
+                   "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--temperature", "0.8",
+                   "--top-p", "0.95", "--top-k", "50", "--compare-greedy"])
+    m = run_throughput(args)
+    assert m["greedy_output_tokens_per_second"] > 0 and m["output_tokens_per_second"] > 0
+    assert m["num_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    assert "Greedy (same engine, run first)" in capsys.readouterr().out
