@@ -95,3 +95,32 @@ def test_auto_tool_choice_without_markup_is_plain_content(client):
                                           temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
     c = resp.choices[0]
     assert c.finish_reason == "length" and not c.message.tool_calls
+
+
+def test_tool_history_renders_through_the_chat_template(client):
+    """Assistant tool_calls and tool results in the history reach the template."""
+    import httpx
+
+    template = (
+        "{% for m in messages %}{{ m['role'] }}:"
+        "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}CALL {{ c['function']['name'] }}"
+        "{{ c['function']['arguments'] }}{% endfor %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    )
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    base = str(client.base_url).removesuffix("/v1/")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": history, "chat_template": template,
+                                            "add_generation_prompt": False}, headers=headers)
+    assert r.status_code == 200, r.text
+    d = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": r.json()["tokens"]}, headers=headers)
+    text = d.json()["prompt"]
+    assert 'assistant:CALL get_weather{"city": "Paris", "unit": "celsius"}' in text
+    assert "tool:21 degrees" in text
+    resp = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3, temperature=0,
+                                          extra_body={"chat_template": template})
+    assert resp.usage.prompt_tokens == r.json()["count"]
