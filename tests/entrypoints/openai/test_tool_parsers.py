@@ -202,7 +202,7 @@ def test_registry():
     assert ToolParserManager.get("test_dummy") is Dummy
     assert Dummy().extract_tool_calls("x").content == "x"  # a buggy parser degrades to plain content
     assert Dummy().extract_tool_calls_streaming("", "x", "x") is None
-    ToolParserManager._parsers.pop("test_dummy")
+    ToolParserManager._entries.pop("test_dummy")
 
 
 @pytest.mark.parametrize("name,prefix", [("hermes", '<tool_call>{"name": "f", "arguments": {"q": "'),

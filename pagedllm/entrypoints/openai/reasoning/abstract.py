@@ -9,10 +9,10 @@ either field however the deltas cut it. Being stateless, one instance may serve 
 
 from __future__ import annotations
 
-import builtins
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+
+from pagedllm.entrypoints.openai.registry import Registry
 
 
 def strip_partial(text: str, tag: str) -> str:
@@ -61,31 +61,5 @@ class ReasoningParser(ABC):
         return _tail(old_r, new_r), _tail(old_c, new_c)
 
 
-_P = TypeVar("_P", bound=type[ReasoningParser])
-
-
-class ReasoningParserManager:
-    """Name -> parser class, filled by the `register` decorator as parser modules are imported."""
-
-    _parsers: dict[str, type[ReasoningParser]] = {}
-
-    @classmethod
-    def register(cls, name: str) -> Callable[[_P], _P]:
-        def deco(parser: _P) -> _P:
-            if name in cls._parsers and cls._parsers[name] is not parser:
-                raise ValueError(f"reasoning parser {name!r} is already registered")
-            cls._parsers[name] = parser
-            return parser
-
-        return deco
-
-    @classmethod
-    def get(cls, name: str) -> type[ReasoningParser]:
-        try:
-            return cls._parsers[name]
-        except KeyError:
-            raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(cls.list())}") from None
-
-    @classmethod
-    def list(cls) -> builtins.list[str]:
-        return sorted(cls._parsers)
+# Name -> parser class, filled by the `register` decorator as parser modules are imported.
+ReasoningParserManager: Registry[type[ReasoningParser]] = Registry("reasoning parser")

@@ -14,10 +14,10 @@ import builtins
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from pagedllm.entrypoints.openai.registry import Registry
 from pagedllm.entrypoints.openai.tool_parsers.types import (
     DeltaFunctionCall,
     DeltaMessage,
@@ -182,31 +182,5 @@ class ToolParser(ABC):
         return DeltaMessage(content=content, tool_calls=deltas)
 
 
-_P = TypeVar("_P", bound=type[ToolParser])
-
-
-class ToolParserManager:
-    """Name -> parser class, filled by the `register` decorator as parser modules are imported."""
-
-    _parsers: dict[str, type[ToolParser]] = {}
-
-    @classmethod
-    def register(cls, name: str) -> Callable[[_P], _P]:
-        def deco(parser: _P) -> _P:
-            if name in cls._parsers and cls._parsers[name] is not parser:
-                raise ValueError(f"tool parser {name!r} is already registered")
-            cls._parsers[name] = parser
-            return parser
-
-        return deco
-
-    @classmethod
-    def get(cls, name: str) -> type[ToolParser]:
-        try:
-            return cls._parsers[name]
-        except KeyError:
-            raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(cls.list())}") from None
-
-    @classmethod
-    def list(cls) -> builtins.list[str]:
-        return sorted(cls._parsers)
+# Name -> parser class, filled by the `register` decorator as parser modules are imported.
+ToolParserManager: Registry[type[ToolParser]] = Registry("tool parser")
