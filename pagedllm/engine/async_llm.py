@@ -126,7 +126,7 @@ class AsyncLLM:
 
     def _abort_now(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        core_ids = self.frontend.abort(request_id and [request_id])
+        core_ids = self.frontend.abort([request_id])
         if core_ids and not self.errored:
             self.client.abort_requests(core_ids)
 
