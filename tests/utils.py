@@ -137,3 +137,32 @@ def assert_greedy_match(ours: list[list[int]], ref: list[dict], tol: float = 1e-
             break
         else:
             assert len(got) == len(want), f"prompt {i}: length {len(got)} vs {len(want)}"
+
+
+def token_deltas(text: str, tok) -> list[str]:
+    """`text` as a detokenizer streams it, token by token (half UTF-8 characters held back)."""
+    ids, pieces, prev = tok.encode(text, add_special_tokens=False), [], ""
+    for k in range(1, len(ids) + 1):
+        cur = tok.decode(ids[:k])
+        if cur.endswith("\ufffd"):
+            continue
+        assert cur.startswith(prev)
+        pieces.append(cur[len(prev):])
+        prev = cur
+    assert prev == text
+    return pieces
+
+
+def chunkings(text: str, tok, seeds: int = 4, max_chunk: int = 8) -> dict[str, list[str]]:
+    """Ways a stream may cut `text`: per character, per token, whole, and seeded random chunks."""
+    import random
+
+    out = {"chars": list(text), "tokens": token_deltas(text, tok), "whole": [text]}
+    for seed in range(seeds):
+        rng, pieces, i = random.Random(seed), [], 0
+        while i < len(text):
+            k = rng.randint(1, max_chunk)
+            pieces.append(text[i:i + k])
+            i += k
+        out[f"random{seed}"] = pieces
+    return out

@@ -4,11 +4,10 @@ either (deltas only ever append)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningParserManager
+from tests.utils import chunkings as _chunkings
 
 # parser -> [(model output, expected reasoning_content, expected content)]
 CASES: dict[str, list[tuple[str, str | None, str | None]]] = {
@@ -35,27 +34,8 @@ CASES: dict[str, list[tuple[str, str | None, str | None]]] = {
 }
 
 
-def token_deltas(text: str, tok) -> list[str]:
-    ids, pieces, prev = tok.encode(text, add_special_tokens=False), [], ""
-    for k in range(1, len(ids) + 1):
-        cur = tok.decode(ids[:k])
-        if not cur.endswith("\ufffd"):  # hold back half a UTF-8 character, as detokenizers do
-            pieces.append(cur[len(prev):])
-            prev = cur
-    assert prev == text
-    return pieces
-
-
 def chunkings(text: str, tok) -> dict[str, list[str]]:
-    out = {"chars": list(text), "tokens": token_deltas(text, tok), "whole": [text]}
-    for seed in range(4):
-        rng, pieces, i = random.Random(seed), [], 0
-        while i < len(text):
-            k = rng.randint(1, 7)
-            pieces.append(text[i:i + k])
-            i += k
-        out[f"random{seed}"] = pieces
-    return out
+    return _chunkings(text, tok, seeds=4, max_chunk=7)
 
 
 def stream(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:

@@ -5,12 +5,12 @@ as content."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from tests.utils import chunkings as _chunkings
 
 W = {"city": "Paris", "unit": "celsius"}
 RICH = {"q": 'café 日本語 🎉 "quoted" \\ back', "opts": {"n": [1, 2.5, -300.0], "x": None, "y": True}, "e": {}}
@@ -70,30 +70,8 @@ INVALID = {
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|python_start|>")
 
 
-def token_deltas(text: str, tok) -> list[str]:
-    """The text as an engine streams it: decoded token by token, holding back half a UTF-8 character."""
-    ids, pieces, prev = tok.encode(text, add_special_tokens=False), [], ""
-    for k in range(1, len(ids) + 1):
-        cur = tok.decode(ids[:k])
-        if cur.endswith("\ufffd"):
-            continue
-        assert cur.startswith(prev)
-        pieces.append(cur[len(prev):])
-        prev = cur
-    assert prev == text
-    return pieces
-
-
 def chunkings(text: str, tok) -> dict[str, list[str]]:
-    out = {"chars": list(text), "tokens": token_deltas(text, tok), "whole": [text]}
-    for seed in range(3):
-        rng, pieces, i = random.Random(seed), [], 0
-        while i < len(text):
-            k = rng.randint(1, 9)
-            pieces.append(text[i:i + k])
-            i += k
-        out[f"random{seed}"] = pieces
-    return out
+    return _chunkings(text, tok, seeds=3, max_chunk=9)
 
 
 def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict]]:
