@@ -26,12 +26,10 @@ class PrefillSegment:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
-    num_tokens: int
     # Decode requests (query of one token) are batched into one padded attention call.
     decode_token_idx: torch.Tensor | None  # [num_decodes] positions in the flat batch
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the new token
-    decode_max_seq_len: int
     prefills: list[PrefillSegment]
 
 

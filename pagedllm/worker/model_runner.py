@@ -100,11 +100,9 @@ class ModelRunner:
         decode_rows = np.nonzero(is_decode)[0]
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
-            num_tokens=total,
             decode_token_idx=None,
             decode_block_tables=None,
             decode_seq_lens=None,
-            decode_max_seq_len=0,
             prefills=[],
         )
         if len(decode_rows):
@@ -113,7 +111,6 @@ class ModelRunner:
             md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(dev)
             md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(dev)
             md.decode_seq_lens = torch.from_numpy(d_lens).to(dev)
-            md.decode_max_seq_len = int(d_lens.max())
         for i in np.nonzero(~is_decode)[0]:
             n_blocks = int(-(-seq_lens[i] // bs))
             md.prefills.append(
