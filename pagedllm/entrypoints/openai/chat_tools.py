@@ -37,7 +37,9 @@ def _tools_by_name(request: ChatCompletionRequest) -> dict[str, dict]:
 def tool_mode(request: ChatCompletionRequest, auto_enabled: bool) -> tuple[str | None, str | None]:
     """('named', name) | ('required', None) | ('auto', None) | (None, None); 400 on misuse."""
     choice = request.tool_choice
-    if choice in (None, "none"):
+    if choice is None:  # OpenAI's default with tools is "auto"; without the parser there is no auto
+        choice = "auto" if request.tools and auto_enabled else "none"
+    if choice == "none":
         return None, None
     tools = _tools_by_name(request)
     if not tools:

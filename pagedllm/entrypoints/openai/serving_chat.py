@@ -123,6 +123,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_length(len(ids), max_tokens, prompt_param="messages")
         top_n = request.top_logprobs or 0
         mode, tool_name = tool_mode(request, self.enable_auto_tool_choice and self.tool_parser_cls is not None)
+        if mode == "auto":
+            # e.g. Mistral's [TOOL_CALLS] is a special token: the parser asks to keep it in the text.
+            request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         params = self.sampling_params(
             request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,

@@ -266,3 +266,16 @@ def test_api_key_falls_back_to_env(monkeypatch):
     assert serve.run_serve(build_parser().parse_args(["serve", "/m"])) == 0 and seen["key"] == "from-env"
     serve.run_serve(build_parser().parse_args(["serve", "/m", "--api-key", "flag"]))
     assert seen["key"] == "flag"
+
+
+def test_auto_tool_choice_lets_the_parser_adjust_the_request(fake_engine):
+    """Mistral's [TOOL_CALLS] is a special token: with its parser, special tokens stay in the text."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    app = build_app(fake_engine, _args(enable_auto_tool_choice=True, tool_call_parser="mistral"))
+    r = TestClient(app).post("/v1/chat/completions", json={"messages": MSGS, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    _, params, *_ = fake_engine.calls[-1]
+    assert params.skip_special_tokens is False
+    r = TestClient(app).post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+    _, params, *_ = fake_engine.calls[-1]
+    assert params.skip_special_tokens is True  # no tools: untouched
