@@ -8,6 +8,7 @@ defaults and on what is an error.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,73 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Draft tokens proposed each step and verified by the target in one forward pass."""
+
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
+    prompt_lookup_max: int = 0  # ngram: longest
+    draft_model_config: ModelConfig | None = None  # draft_model only
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its scheduled tokens: the draft model writes its own
+        K/V for the tokens it proposes, in the request's blocks."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+
+
+def parse_speculative_config(
+    spec: dict | str | None, target: ModelConfig, device: torch.device
+) -> SpeculativeConfig | None:
+    """From the user's dict (or its JSON, as on the command line) to a checked config."""
+    if spec is None or spec == {}:
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("speculative_config must be a dict (or its JSON)")
+    unknown = set(spec) - _SPEC_KEYS
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method in ("[ngram]", "ngram") or spec.get("model") == "[ngram]":
+        method = "ngram"
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+    config = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    if method == "ngram":
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or lo < 1 or hi < lo:
+            raise ValueError(
+                f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
+        config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
+        return config
+    if not spec.get("model"):
+        raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
+    draft = build_model_config(spec["model"], None, target.dtype, device, target.max_model_len,
+                               target.seed, target.trust_remote_code)
+    if draft.text_config.vocab_size != target.text_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.text_config.vocab_size}) differs from the target's "
+            f"({target.text_config.vocab_size}); speculation needs the same tokenizer"
+        )
+    config.draft_model_config = draft
+    return config
+
+
+@dataclass(slots=True)
 class DeviceConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
@@ -80,6 +148,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    speculative_config: SpeculativeConfig | None = None
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -115,6 +184,40 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def build_model_config(
+    model: str | None,
+    tokenizer: str | None,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    seed: int,
+    trust_remote_code: bool,
+) -> ModelConfig:
+    """Resolve a model name or path into its config (shared by the target and a draft model)."""
+    from transformers import AutoConfig
+
+    model_path = resolve_model_path(model)
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    text_config = hf_config.get_text_config()
+    derived_max = getattr(text_config, "max_position_embeddings", None) or 2048
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_model_len and max_model_len > derived_max:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the max_position_embeddings={derived_max} of {model_path}"
+        )
+    return ModelConfig(
+        model=model or DEFAULT_MODEL,
+        model_path=model_path,
+        hf_config=hf_config,
+        dtype=_resolve_dtype(dtype, text_config, device),
+        max_model_len=max_model_len or derived_max,
+        seed=seed,
+        tokenizer=tokenizer or model_path,
+        trust_remote_code=trust_remote_code,
+    )
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine arguments; field names match vLLM's flags."""
@@ -135,31 +238,19 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} or its JSON
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        from transformers import AutoConfig
-
-        model_path = resolve_model_path(self.model)
-        hf_config = AutoConfig.from_pretrained(
-            model_path, trust_remote_code=self.trust_remote_code
-        )
-        text_config = hf_config.get_text_config()
         device = _resolve_device(self.device)
-        dtype = _resolve_dtype(self.dtype, text_config, device)
-
-        derived_max = getattr(text_config, "max_position_embeddings", None) or 2048
-        max_model_len = self.max_model_len or derived_max
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if self.max_model_len and self.max_model_len > derived_max:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={derived_max}"
-            )
+        model_config = build_model_config(
+            self.model, self.tokenizer, self.dtype, device, self.max_model_len, self.seed, self.trust_remote_code
+        )
+        max_model_len = model_config.max_model_len
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -186,16 +277,7 @@ class EngineArgs:
             )
 
         return EngineConfig(
-            model_config=ModelConfig(
-                model=self.model or DEFAULT_MODEL,
-                model_path=model_path,
-                hf_config=hf_config,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=self.seed,
-                tokenizer=self.tokenizer or model_path,
-                trust_remote_code=self.trust_remote_code,
-            ),
+            model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=self.kv_cache_memory,
@@ -211,5 +293,6 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=device),
+            speculative_config=parse_speculative_config(self.speculative_config, model_config, device),
         )
 

@@ -71,8 +71,10 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens; None if the pool cannot.
+        """Make room for `num_new_tokens` more tokens (plus lookahead slots a draft model
+        writes its proposals into); None if the pool cannot.
 
         Nothing changes when it returns None, so the scheduler may preempt and retry.
         """
@@ -80,7 +82,7 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be positive")
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Cache hits sitting in the free queue stop being free once touched.

@@ -76,6 +76,8 @@ class Request:
     # one's prompt to be cached, then reuse its blocks.
     group_id: str | None = None
     structured_output: Any = None  # StructuredOutputRequest while it has a grammar
+    # Proposed by the drafter after the last step, verified by the next forward pass.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -96,6 +98,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,8 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # does this chunk reach the end of the known tokens?
     sampling_params: SamplingParams
+    # Draft tokens at the end of token_ids, to be verified (their logits are sampled too).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Live references to the request's token lists (same process: no copy).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -28,7 +30,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that finished since the last step, so the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
-    # Structured outputs: [n, vocab/32] int32 bitmask of allowed next tokens, req_id → row.
+    # Structured outputs: [n, vocab/32] int32 bitmask of allowed next tokens, req_id → its first row
+    # (a request verifying k drafts has k + 1 consecutive rows).
     grammar_bitmask: Any = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
 
@@ -45,9 +48,12 @@ LogprobsEntry = tuple[list[int], list[float], int]
 @dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
-    # One sampled token per scheduled request, or None for a partial prefill chunk.
-    sampled_token_ids: list[int | None]
-    # Per request, when it asked for logprobs and sampled this step.
-    logprobs: list[LogprobsEntry | None] | None = None
+    # The new tokens of each scheduled request (accepted drafts, then one sampled token), or
+    # None for a partial prefill chunk.
+    sampled_token_ids: list[list[int] | None]
+    # Per request, one entry per new token, when it asked for logprobs and sampled this step.
+    logprobs: list[list[LogprobsEntry] | None] | None = None
     # req_id → entries for the prompt positions this chunk covered (prompt_logprobs).
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # Speculative decoding: the drafts proposed for each request's next step (None: none).
+    spec_token_ids: list[list[int] | None] | None = None

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.engine import EngineCoreOutput
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, structured_output_manager=None
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        structured_output_manager=None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
@@ -36,6 +41,9 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # Outputs produced outside a forward pass (e.g. a grammar that failed to compile).
         self.pending_outputs: list[EngineCoreOutput] = []
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +97,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.prompt_logprobs = None  # the recompute produces them again
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -107,12 +116,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Draft tokens are scheduled like any other: verified in this forward pass.
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
             while True:
-                if self.kv_cache_manager.allocate_slots(request, num_new) is not None:
+                if self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                ) is not None:
                     break
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:
@@ -153,7 +165,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if self.kv_cache_manager.allocate_slots(
-                request, num_new, computed_blocks, num_computed
+                request, num_new, computed_blocks, num_computed, self.num_lookahead_tokens
             ) is None:
                 break
             self.waiting.pop()
@@ -200,23 +212,29 @@ class Scheduler:
             if n is None:
                 continue
             start = request.num_computed_tokens
+            token_ids = request.all_token_ids[start : start + n]
+            spec = request.spec_token_ids[: start + n - request.num_tokens]
+            if spec:
+                token_ids += spec
+            request.spec_token_ids = []  # verified this step; the drafter proposes anew after it
             out.scheduled.append(
                 ScheduledRequest(
                     req_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + n],
+                    token_ids=token_ids,
                     start_pos=start,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     sample=start + n >= request.num_tokens,
                     sampling_params=request.sampling_params,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
+                    spec_token_ids=spec,
                 )
             )
             # Advance now, so the next schedule() sees these tokens as in flight.
             request.num_computed_tokens = start + n
             out.total_num_scheduled_tokens += n
         grammar_reqs = [
-            (s.req_id, self.requests[s.req_id].structured_output)
+            (s.req_id, self.requests[s.req_id].structured_output, s.spec_token_ids)
             for s in out.scheduled
             if s.sample and self.requests[s.req_id].structured_output is not None
         ]
@@ -228,20 +246,52 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Cache newly full blocks, append sampled tokens, apply stop conditions."""
+        """Take back rejected drafts, append new tokens, apply stop conditions, cache full blocks."""
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
-        for row, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        proposals = runner_output.spec_token_ids
+        num_spec = {s.req_id: len(s.spec_token_ids) for s in scheduler_output.scheduled if s.spec_token_ids}
+        for row, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while its step ran
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             chunk_prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if chunk_prompt_logprobs is not None:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + chunk_prompt_logprobs
-            if token is None:
+            if tokens is None:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
                 continue  # a prefill chunk that did not reach the end of the prompt
+            num_drafts = num_spec.get(req_id, 0)
+            if num_drafts:
+                # The slots of rejected drafts are rewritten by later steps; the block hashes
+                # below only ever cover tokens that are now part of the sequence.
+                request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+                self.spec_decoding_stats.observe(num_drafts, len(tokens) - 1)
             first = request.num_output_tokens == 0
+            new_tokens, stopped = self._append_tokens(request, tokens)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            entries = logprobs[row] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_tokens,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    new_logprobs=entries[: len(new_tokens)] if entries is not None else None,
+                    prompt_logprobs=request.prompt_logprobs if first else None,
+                )
+            )
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            elif proposals is not None and proposals[row]:
+                request.spec_token_ids = self._admissible_drafts(request, proposals[row])
+        return outputs
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append one by one; tokens after a stop are dropped."""
+        for i, token in enumerate(tokens):
             request.append_output_token_ids(token)
             stopped = self._check_stop(request, token)
             so = request.structured_output
@@ -250,22 +300,25 @@ class Scheduler:
                 if not so.matcher.accept_token(token) or so.matcher.is_terminated():
                     request.status = RequestStatus.FINISHED_STOPPED
                     stopped = True
-            entry = logprobs[row] if logprobs is not None else None
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=[token],
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    new_logprobs=[entry] if entry is not None else None,
-                    prompt_logprobs=request.prompt_logprobs if first else None,
-                )
-            )
             if stopped:
-                self.running.remove(request)
-                self._free_request(request)
-        return outputs
+                return tokens[: i + 1], True
+        return tokens, False
+
+    def _admissible_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """No more drafts than the request may still produce tokens (max_tokens, max_model_len),
+        and with a grammar only the prefix it accepts.
+
+        Cutting at the first draft the grammar refuses is lossless only when the draft is certain
+        (n-gram, or a greedy request); a sampled draft from a draft model is left to the
+        verification, which rejects it and resamples from the residual distribution.
+        """
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        drafts = drafts[: max(room, 0)]
+        so = request.structured_output
+        certain = self.speculative_config.method == "ngram" or request.sampling_params.greedy
+        if so is not None and drafts and certain:
+            drafts = self.structured_output_manager.valid_prefix(so, drafts)
+        return drafts
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Length first (as vLLM): an EOS that is also the last allowed token is "length"."""

@@ -30,7 +30,7 @@ class EngineCore:
         cache.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
         self.structured_output_manager = StructuredOutputManager(config.model_config)
-        self.scheduler = Scheduler(sched, cache, self.structured_output_manager)
+        self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
                     num_blocks * self.model_runner.bytes_per_block() / 2**20)
 
@@ -70,6 +70,7 @@ class EngineCore:
             "prefix_cache_hits": pc.hits,
             "prefix_cache_hit_rate": pc.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self.scheduler.spec_decoding_stats.as_dict() if self.config.speculative_config else {}),
         }
 
     def reset_prefix_cache(self) -> bool:

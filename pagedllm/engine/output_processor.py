@@ -128,31 +128,43 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None and state.params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + [make_logprobs_dict(e, self.tokenizer) for e in out.prompt_logprobs]
-        if out.new_logprobs is not None and state.logprobs is not None:
-            for entry in out.new_logprobs:
-                state.logprobs.append(make_logprobs_dict(entry, self.tokenizer))
-                state.cumulative_logprob += entry[1][0]
-        state.output_token_ids.extend(out.new_token_ids)
+        new_tokens, new_logprobs = out.new_token_ids, out.new_logprobs
         stopped_here = False
         if state.detokenizer is not None:
-            before = len(state.detokenizer.output_text)
-            for tok in out.new_token_ids:
-                state.detokenizer.update(tok)
-            if out.finish_reason is not None:
-                state.detokenizer.finalize()
-            text = state.detokenizer.output_text
-            stop = find_stop_string(
-                text, len(text) - before, state.params.stop, state.params.include_stop_str_in_output
-            )
+            detok, params = state.detokenizer, state.params
+            stop = None
+            last = len(new_tokens) - 1
+            for i, tok in enumerate(new_tokens):
+                before = len(detok.output_text)
+                detok.update(tok)
+                if i == last and out.finish_reason is not None:
+                    detok.finalize()
+                # Checked token by token: with speculative decoding a step brings several tokens,
+                # and those after a stop string are dropped (ids and logprobs too).
+                stop = find_stop_string(
+                    detok.output_text, len(detok.output_text) - before, params.stop, params.include_stop_str_in_output
+                )
+                if stop is not None:
+                    new_tokens = new_tokens[: i + 1]
+                    new_logprobs = new_logprobs[: i + 1] if new_logprobs is not None else None
+                    break
+            if not new_tokens and out.finish_reason is not None:
+                detok.finalize()
+            text = detok.output_text
             state.text_len = len(text)
-            if stop is None and out.finish_reason is None and state.params.stop:
+            if stop is None and out.finish_reason is None and params.stop:
                 # Hold back what could be the start of a stop string, so streamed text
                 # never has to be taken back.
-                state.text_len = max(0, len(text) - max(len(s) for s in state.params.stop) + 1)
+                state.text_len = max(0, len(text) - max(len(s) for s in params.stop) + 1)
             if stop is not None:
                 state.stop_reason, state.text_len = stop
                 state.finish_reason = "stop"
                 stopped_here = True
+        if new_logprobs is not None and state.logprobs is not None:
+            for entry in new_logprobs:
+                state.logprobs.append(make_logprobs_dict(entry, self.tokenizer))
+                state.cumulative_logprob += entry[1][0]
+        state.output_token_ids.extend(new_tokens)
         if not stopped_here and out.finish_reason is not None:
             state.finish_reason = out.finish_reason
             state.stop_reason = out.stop_reason

@@ -28,6 +28,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's counters and gauges under their /metrics names (`pagedllm:...`):
+        KV usage, prefix cache, preemptions, speculative decoding (drafts, accepted tokens,
+        acceptance rate, mean acceptance length)."""
+        return {f"pagedllm:{name}": value for name, value in self.llm_engine.get_stats().items()}
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

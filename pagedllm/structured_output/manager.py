@@ -60,17 +60,46 @@ class StructuredOutputManager:
     def submit(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         return StructuredOutputRequest(params, self.executor.submit(self._compile, params))
 
-    def grammar_bitmask(self, requests: list[tuple[str, StructuredOutputRequest]]) -> tuple[torch.Tensor, dict]:
-        """Bitmask rows for the requests about to sample: row i allows the tokens its
-        matcher accepts next. Returns (bitmask, req_id → row)."""
+    def grammar_bitmask(
+        self, requests: list[tuple[str, StructuredOutputRequest, list[int]]]
+    ) -> tuple[torch.Tensor, dict]:
+        """Bitmask rows for the requests about to sample: the tokens each matcher accepts next,
+        and for a request verifying drafts one row per draft position after it (the matcher
+        walks the drafts, then rolls back). Returns (bitmask, req_id → first row)."""
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        rows = {}
-        for i, (req_id, so) in enumerate(requests):
-            so.matcher.fill_next_token_bitmask(bitmask, i)
-            rows[req_id] = i
+        bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for _, _, d in requests), self.vocab_size)
+        rows, row = {}, 0
+        for req_id, so, drafts in requests:
+            rows[req_id] = row
+            matcher = so.matcher
+            matcher.fill_next_token_bitmask(bitmask, row)
+            walked = 0
+            for token in drafts:
+                row += 1
+                if walked < row - rows[req_id] - 1 or matcher.is_terminated() or not matcher.accept_token(token):
+                    # The rows after a draft the grammar refuses stay all-allowed: the target, whose
+                    # row masks that draft out, rejects it for sure, and later drafts are never used.
+                    continue
+                walked += 1
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, row)
+            if walked:
+                matcher.rollback(walked)
+            row += 1
         return bitmask, rows
+
+    @staticmethod
+    def valid_prefix(so: StructuredOutputRequest, drafts: list[int]) -> list[int]:
+        """The longest prefix of the drafts the grammar accepts (the matcher is left as it was)."""
+        matcher, n = so.matcher, 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
 
     @staticmethod
     def accept_token(so: StructuredOutputRequest, token: int) -> bool:

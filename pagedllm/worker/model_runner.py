@@ -1,12 +1,14 @@
 """Turns a SchedulerOutput into tensors, runs the forward pass, samples.
 
 The runner knows tensors, never queues: it gets token ids, positions and block
-ids per request and returns one sampled token per request that is due.
+ids per request and returns the new tokens of each request that is due: one sampled
+token, or with speculative decoding the accepted drafts plus one, and the next drafts.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -14,11 +16,15 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.forward_context import AttentionMetadata, PrefillSegment, set_forward_context
+from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
+from pagedllm.worker.step_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +44,22 @@ class ModelRunner:
         vocab = config.model_config.text_config.vocab_size
         self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        spec = config.speculative_config
+        self.ngram = self.drafter = None
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            self.drafter = DraftModelProposer(config, self.device, seed_gen)
 
     # ---- KV cache ---------------------------------------------------------
+    def _kv_layers(self) -> list[Attention]:
+        """The target's attention layers, then the draft model's (same blocks, own tensors)."""
+        return self.attn_layers + (self.drafter.attn_layers if self.drafter is not None else [])
+
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.model_config.dtype).element_size()
         return sum(
-            2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attn_layers
+            2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self._kv_layers()
         )
 
     def determine_num_blocks(self) -> int:
@@ -64,7 +80,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype
         self.kv_caches = []
-        for layer in self.attn_layers:
+        for layer in self._kv_layers():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = _zeros(shape, dtype, self.device)
             layer.kv_cache = kv
@@ -74,80 +90,96 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampling_metadata.drop(sched.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.drop(sched.finished_req_ids)
         reqs = sched.scheduled
         if not reqs:
             return ModelRunnerOutput([], [])
-        bs = self.block_size
-        num_reqs = len(reqs)
-        query_lens = np.fromiter((len(r.token_ids) for r in reqs), np.int64, num_reqs)
-        starts = np.fromiter((r.start_pos for r in reqs), np.int64, num_reqs)
-        cu_end = np.cumsum(query_lens)
-        cu_start = cu_end - query_lens
-        total = int(cu_end[-1])
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        positions = np.arange(total) - cu_start[req_of_token] + starts[req_of_token]
-        seq_lens = starts + query_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_table = np.zeros((num_reqs, max_blocks), np.int64)
+        step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
+                              [r.block_ids for r in reqs], self.block_size, self.device)
+        with set_forward_context(step.attn_metadata):
+            hidden = self.model(step.input_ids, step.positions)
+        out = ModelRunnerOutput([r.req_id for r in reqs], [None] * len(reqs))
         for i, r in enumerate(reqs):
-            n = min(len(r.block_ids), max_blocks)
-            block_table[i, :n] = r.block_ids[:n]
-        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, total)
-
-        dev = self.device
-        is_decode = (query_lens == 1) & (starts > 0)
-        decode_rows = np.nonzero(is_decode)[0]
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            decode_token_idx=None,
-            decode_block_tables=None,
-            decode_seq_lens=None,
-            prefills=[],
-        )
-        if len(decode_rows):
-            d_lens = seq_lens[decode_rows]
-            d_blocks = int(-(-d_lens.max() // bs))
-            md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(dev)
-            md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(dev)
-            md.decode_seq_lens = torch.from_numpy(d_lens).to(dev)
-        for i in np.nonzero(~is_decode)[0]:
-            n_blocks = int(-(-seq_lens[i] // bs))
-            md.prefills.append(
-                PrefillSegment(
-                    token_start=int(cu_start[i]),
-                    query_len=int(query_lens[i]),
-                    context_len=int(starts[i]),
-                    block_table=torch.from_numpy(block_table[i, :n_blocks]).to(dev),
-                )
-            )
-
-        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        with set_forward_context(md):
-            hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev))
-        out = ModelRunnerOutput([r.req_id for r in reqs], [None] * num_reqs)
-        for i, r in enumerate(reqs):
-            if r.sampling_params.prompt_logprobs is not None and starts[i] < len(r.prompt_token_ids) - 1:
-                out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[cu_start[i] : cu_end[i]])
-        if sample_rows:
-            logits_idx = torch.from_numpy(cu_end[sample_rows] - 1).to(dev)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            sample_reqs = [reqs[i] for i in sample_rows]
-            md = self.sampling_metadata.build(sample_reqs)
-            if sched.grammar_bitmask is not None:
-                md.grammar_bitmask = _rows_bitmask(sched, sample_reqs)
-            result = self.sampler(logits, md)
-            for row, tok in zip(sample_rows, result.sampled_token_ids.tolist()):
-                out.sampled_token_ids[row] = tok
-            if result.logprobs is not None:
-                out.logprobs = [None] * num_reqs
-                ids, vals = result.logprob_token_ids.tolist(), result.logprobs.tolist()
-                ranks = result.sampled_ranks.tolist()
-                for k, (row, r) in enumerate(zip(sample_rows, sample_reqs)):
-                    n = r.sampling_params.logprobs
-                    if n is not None:
-                        out.logprobs[row] = (ids[k][: n + 1], vals[k][: n + 1], ranks[k])
+            if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
+                out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
+        sample_idx = [i for i, r in enumerate(reqs) if r.sample]
+        if sample_idx:
+            self._sample(sched, sample_idx, hidden, step.cu_end, out)
+        if self.ngram is not None:
+            out.spec_token_ids = [
+                self.ngram.propose(r.prompt_token_ids + r.output_token_ids + new) if new is not None else None
+                for r, new in zip(reqs, out.sampled_token_ids)
+            ]
+        elif self.drafter is not None:
+            out.spec_token_ids = self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata)
         return out
+
+    def _sample(self, sched: SchedulerOutput, sample_idx: list[int], hidden: torch.Tensor, cu_end: np.ndarray,
+                out: ModelRunnerOutput) -> None:
+        """One row per position to sample: the last token, and every draft being verified
+        (row j sees the drafts before it as its history, for penalties and masks)."""
+        reqs = sched.scheduled
+        num_rows = [1 + len(reqs[i].spec_token_ids) for i in sample_idx]
+        if max(num_rows) == 1:
+            logits_idx = cu_end[sample_idx] - 1
+            rows = [reqs[i] for i in sample_idx]
+        else:
+            logits_idx = np.concatenate([np.arange(cu_end[i] - n, cu_end[i]) for i, n in zip(sample_idx, num_rows)])
+            rows = []
+            for i, n in zip(sample_idx, num_rows):
+                r = reqs[i]
+                rows += [r] if n == 1 else [
+                    replace(r, output_token_ids=r.output_token_ids + r.spec_token_ids[:j]) for j in range(n)
+                ]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
+        md = self.sampling_metadata.build(rows)
+        if sched.grammar_bitmask is not None:
+            md.grammar_bitmask = _rows_bitmask(sched, [reqs[i] for i in sample_idx], num_rows)
+        logits, raw_logprobs = self.sampler.apply_constraints(logits, md)
+        sampled = self.sampler.sample(logits, md).tolist()
+        row = 0
+        for i, n in zip(sample_idx, num_rows):
+            r = reqs[i]
+            q = self.drafter.draft_probs.get(r.req_id) if self.drafter is not None and n > 1 else None
+            if n == 1:
+                out.sampled_token_ids[i] = sampled[row : row + 1]
+            elif q is None or r.sampling_params.greedy:
+                out.sampled_token_ids[i] = accept_certain(r.spec_token_ids, sampled[row : row + n])
+            else:
+                rows_t = torch.arange(row, row + n, device=logits.device)
+                p = target_probs(logits[rows_t], md, rows_t)
+                gen = md.generators.get(row, self.sampler.generator)
+                out.sampled_token_ids[i] = accept_sampled(r.spec_token_ids, sampled[row : row + n], p, q, gen)
+            row += n
+        if raw_logprobs is not None:
+            out.logprobs = self._sample_logprobs(reqs, sample_idx, num_rows, raw_logprobs, md.max_num_logprobs, out)
+
+    @staticmethod
+    def _sample_logprobs(reqs, sample_idx: list[int], num_rows: list[int], raw_logprobs: torch.Tensor, k: int,
+                         out: ModelRunnerOutput) -> list:
+        """Target-model logprobs of each new token (at its own row), for requests that asked."""
+        sel_rows: list[int] = []
+        sel_tokens: list[int] = []
+        row = 0
+        for i, n in zip(sample_idx, num_rows):
+            tokens = out.sampled_token_ids[i]
+            sel_rows += range(row, row + len(tokens))
+            sel_tokens += tokens
+            row += n
+        dev = raw_logprobs.device
+        ids, vals, ranks = gather_logprobs(raw_logprobs[torch.tensor(sel_rows, device=dev)], k,
+                                           torch.tensor(sel_tokens, device=dev))
+        ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
+        logprobs: list = [None] * len(reqs)
+        pos = 0
+        for i in sample_idx:
+            count = len(out.sampled_token_ids[i])
+            n = reqs[i].sampling_params.logprobs
+            if n is not None:
+                logprobs[i] = [(ids[e][: n + 1], vals[e][: n + 1], ranks[e]) for e in range(pos, pos + count)]
+            pos += count
+        return logprobs
 
     def _prompt_logprobs(self, r, hidden: torch.Tensor) -> list:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts p + 1)."""
@@ -169,12 +201,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def _rows_bitmask(sched: SchedulerOutput, sample_reqs) -> torch.Tensor:
-    """The scheduler's grammar bitmask laid out by sample row; rows without a grammar allow all."""
-    rows = sched.grammar_rows
-    full = torch.full((len(sample_reqs), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
-    for k, r in enumerate(sample_reqs):
-        row = rows.get(r.req_id)
-        if row is not None:
-            full[k] = sched.grammar_bitmask[row]
+def _rows_bitmask(sched: SchedulerOutput, sample_reqs, num_rows: list[int]) -> torch.Tensor:
+    """The scheduler's grammar bitmask laid out by sample row (a request verifying drafts has
+    consecutive rows); rows without a grammar allow all."""
+    first = sched.grammar_rows
+    full = torch.full((sum(num_rows), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+    row = 0
+    for r, n in zip(sample_reqs, num_rows):
+        src = first.get(r.req_id)
+        if src is not None:
+            full[row : row + n] = sched.grammar_bitmask[src : src + n]
+        row += n
     return full

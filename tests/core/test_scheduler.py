@@ -110,7 +110,7 @@ class Driver:
             for pos in range(s.start_pos, end):
                 self.kv_slots[(s.block_ids[pos // BS], pos % BS)] = tuple(req.all_token_ids[: pos + 1])
             assert s.sample == (end == req.num_tokens)
-            tokens.append(self.next_token(req) if s.sample else None)
+            tokens.append([self.next_token(req)] if s.sample else None)
         runner = ModelRunnerOutput([s.req_id for s in out.scheduled], tokens)
         by_id = {s.req_id: sched.requests[s.req_id] for s in out.scheduled}
         outputs = sched.update_from_output(out, runner)
@@ -543,7 +543,7 @@ def test_updated_and_finished_returned_from_update():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    outputs = sched.update_from_output(out, ModelRunnerOutput(["a", "b"], [7, 8]))
+    outputs = sched.update_from_output(out, ModelRunnerOutput(["a", "b"], [[7], [8]]))
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
         ("a", [7], "length"),
         ("b", [8], None),
@@ -608,9 +608,9 @@ def test_eos_on_last_allowed_token_is_length():
     req = make_req("a", 4, max_tokens=2)
     sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [50]))
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[50]]))
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [EOS]))
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[EOS]]))
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 

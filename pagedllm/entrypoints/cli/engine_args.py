@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
+                             'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

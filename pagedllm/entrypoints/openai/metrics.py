@@ -49,6 +49,14 @@ class ServerMetrics:
         self.prefix_queries = counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("pagedllm:num_preemptions", "Cumulative number of preemptions.")
+        # Speculative decoding (zero when it is off).
+        self.spec_drafts = counter("pagedllm:spec_decode_num_drafts", "Verification steps that had draft tokens.")
+        self.spec_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_acceptance_rate = gauge("pagedllm:spec_decode_acceptance_rate",
+                                          "Accepted over proposed draft tokens, since start.")
+        self.spec_acceptance_length = gauge("pagedllm:spec_decode_mean_acceptance_length",
+                                            "Tokens per verification step (accepted drafts + 1), since start.")
         self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generation tokens produced.")
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
@@ -76,8 +84,13 @@ class ServerMetrics:
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        self.spec_acceptance_rate.set(stats.get("spec_decode_acceptance_rate", 0.0))
+        self.spec_acceptance_length.set(stats.get("spec_decode_mean_acceptance_length", 0.0))
         for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                            ("num_preemptions", self.preemptions)):
+                            ("num_preemptions", self.preemptions),
+                            ("spec_decode_num_drafts", self.spec_drafts),
+                            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                            ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             value = float(stats.get(key, 0))
             delta = value - self._last_engine.get(key, 0.0)
             if delta > 0:  # a reset (engine restart, cache reset) must not go negative

@@ -57,32 +57,39 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] in the model dtype."""
-        # Without logprobs, masks or penalties the logits stay in the model dtype: argmax and
-        # top-k need no float32 copy of [B, vocab] (bf16 → fp32 is exact, so results agree).
-        raw_logprobs = None
-        if md.max_num_logprobs is not None or md.static_bias or md.banned_token_ids or md.penalty_rows \
-                or md.logits_processors or md.grammar_bitmask is not None:
-            logits = logits.float()
-            raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-            if md.grammar_bitmask is not None:
-                import xgrammar as xgr
-
-                xgr.apply_token_bitmask_inplace(logits, md.grammar_bitmask.to(logits.device))
-            logits = self._apply_logits_processors(logits, md)
-            for row, bias in md.static_bias.items():
-                logits[row] += bias
-            for row, banned in md.banned_token_ids.items():
-                logits[row, banned] = float("-inf")
-            if md.penalty_rows:
-                rows = torch.tensor(md.penalty_rows, device=logits.device)
-                logits[rows] = apply_penalties(
-                    logits[rows], md.prompt_token_ids, md.output_token_ids,
-                    md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
-                )
-        sampled = self._sample(logits, md)
+        logits, raw_logprobs = self.apply_constraints(logits, md)
+        sampled = self.sample(logits, md)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
         return SamplerOutput(sampled, *gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled))
+
+    def apply_constraints(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Grammar, processors, masks, bias, penalties → (processed logits, raw logprobs or None)."""
+        # Without logprobs, masks or penalties the logits stay in the model dtype: argmax and
+        # top-k need no float32 copy of [B, vocab] (bf16 → fp32 is exact, so results agree).
+        if not (md.max_num_logprobs is not None or md.static_bias or md.banned_token_ids or md.penalty_rows
+                or md.logits_processors or md.grammar_bitmask is not None):
+            return logits, None
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.grammar_bitmask is not None:
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(logits, md.grammar_bitmask.to(logits.device))
+        logits = self._apply_logits_processors(logits, md)
+        for row, bias in md.static_bias.items():
+            logits[row] += bias
+        for row, banned in md.banned_token_ids.items():
+            logits[row, banned] = float("-inf")
+        if md.penalty_rows:
+            rows = torch.tensor(md.penalty_rows, device=logits.device)
+            logits[rows] = apply_penalties(
+                logits[rows], md.prompt_token_ids, md.output_token_ids,
+                md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
+            )
+        return logits, raw_logprobs
 
     def _apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         for row, (procs, prompt_ids, output_ids) in md.logits_processors.items():
@@ -95,7 +102,7 @@ class Sampler:
             logits[row] = row_logits
         return logits
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return greedy_argmax(logits)
         num_rows = logits.shape[0]

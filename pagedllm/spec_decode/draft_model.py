@@ -1,0 +1,107 @@
+"""Drafts from a smaller model with the target's vocabulary.
+
+The draft model has its own paged KV cache with the target's block ids and slots: each
+step it first catches up on the tokens the target just verified (plus the new token), in
+one batched pass, then proposes k tokens for the whole batch in k - 1 batched decode
+passes. Positions holding rejected drafts are simply computed again by the next catch-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ScheduledRequest
+from pagedllm.forward_context import set_forward_context
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.rejection_sampler import target_probs
+from pagedllm.model_executor.layers.sampler import greedy_argmax
+from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
+from pagedllm.worker.step_inputs import prepare_inputs
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator) -> None:
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.device = device
+        self.generator = generator  # for unseeded random requests
+        self.model = get_model(spec.draft_model_config, device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # req_id → q ([num drafts, V] float32) of the last sampled proposal; greedy requests have none.
+        self.draft_probs: dict[str, torch.Tensor] = {}
+
+    def drop(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.draft_probs.pop(req_id, None)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        reqs: list[ScheduledRequest],
+        new_tokens: list[list[int] | None],
+        sampling_metadata: SamplingMetadataBuilder,
+    ) -> list[list[int] | None]:
+        # 1. Catch up: the verified part of what the target just computed, plus the new token.
+        token_ids = []
+        for r, new in zip(reqs, new_tokens):
+            verified = r.token_ids[: len(r.token_ids) - len(r.spec_token_ids)]
+            token_ids.append(verified + new if new is not None else verified)
+        step = prepare_inputs(token_ids, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
+                              self.block_size, self.device)
+        with set_forward_context(step.attn_metadata):
+            hidden = self.model(step.input_ids, step.positions)
+
+        # How many drafts each request can take: its block table's lookahead slots, max_model_len.
+        rows = [i for i, new in enumerate(new_tokens) if new is not None]
+        seq_lens = [int(step.starts[i] + step.query_lens[i]) for i in rows]  # T: tokens incl. the new one
+        budget = [max(0, min(self.k, len(reqs[i].block_ids) * self.block_size - t + 1, self.max_model_len - t))
+                  for i, t in zip(rows, seq_lens)]
+        keep = [j for j, b in enumerate(budget) if b > 0]
+        rows, seq_lens, budget = [rows[j] for j in keep], [seq_lens[j] for j in keep], [budget[j] for j in keep]
+        proposals: list[list[int] | None] = [None] * len(reqs)
+        if not rows:
+            return proposals
+        active = [reqs[i] for i in rows]
+        md = sampling_metadata.build(active)
+        self.drop(r.req_id for r in active)
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(step.cu_end[rows] - 1).to(self.device)])
+        live = list(range(len(rows)))  # indices into rows still drafting
+        for j in range(max(budget)):
+            tokens = self._sample(logits, md, live, probs)
+            for a, tok in zip(live, tokens):
+                drafts[a].append(tok)
+            live = [a for a in live if len(drafts[a]) < budget[a]]
+            if not live:
+                break
+            # 2. Feed the last draft of each live request at the next position.
+            step = prepare_inputs([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j + 1 for a in live],
+                                  [active[a].block_ids for a in live], self.block_size, self.device)
+            with set_forward_context(step.attn_metadata):
+                logits = self.model.compute_logits(self.model(step.input_ids, step.positions))
+        for a, i in enumerate(rows):
+            proposals[i] = drafts[a]
+            if probs[a]:
+                self.draft_probs[active[a].req_id] = torch.stack(probs[a])
+        return proposals
+
+    def _sample(self, logits: torch.Tensor, md, live: list[int], probs: list[list[torch.Tensor]]) -> list[int]:
+        """One draft per live request: the draft's argmax for greedy requests, else a draw from
+        its distribution q (same temperature / top-k / top-p as the target), q kept for verification."""
+        out = greedy_argmax(logits).tolist()
+        if md.all_greedy:
+            return out
+        for n, a in enumerate(live):
+            if bool(md.greedy[a]):
+                continue
+            q = target_probs(logits[n : n + 1], md, torch.tensor([a], device=logits.device))[0]
+            gen = md.generators.get(a, self.generator)
+            e = torch.empty_like(q).exponential_(generator=gen)
+            out[n] = int((q / e).argmax())
+            probs[a].append(q)
+        return out

@@ -1,0 +1,62 @@
+"""Make a draft model from the target itself: keep its first N decoder layers.
+
+The copy shares the target's tokenizer, embeddings and LM head, so its vocabulary always
+matches; fewer layers make it cheaper and (being the same network cut short) often right.
+
+    python -m pagedllm.spec_decode.truncated_draft SRC DST --num-layers 4
+(SRC may be the default model's name or a .gguf file; it is resolved as the engine does.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+
+from safetensors.torch import save_file
+
+from pagedllm.model_executor.loader.model_path import resolve_model_path
+from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "generation_config.json", "chat_template.jinja")
+
+
+def make_truncated_draft(src: str | None, dst: str, num_layers: int) -> str:
+    from transformers import AutoConfig
+
+    src = resolve_model_path(src)
+    config = AutoConfig.from_pretrained(src)
+    text = config.get_text_config()
+    if not 1 <= num_layers < text.num_hidden_layers:
+        raise ValueError(f"num_layers must be in [1, {text.num_hidden_layers}), got {num_layers}")
+    text.num_hidden_layers = num_layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:num_layers]
+    tensors = {}
+    for name, tensor in iterate_safetensors(src):
+        m = _LAYER.search(name)
+        if m is None or int(m.group(1)) < num_layers:
+            tensors[name] = tensor.contiguous().clone()
+    os.makedirs(dst, exist_ok=True)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    config.save_pretrained(dst)
+    for name in _TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return dst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="target model (path, .gguf, or the default model's name)")
+    parser.add_argument("dst", help="directory to write the draft model to")
+    parser.add_argument("--num-layers", type=int, required=True)
+    args = parser.parse_args()
+    print(make_truncated_draft(args.src, args.dst, args.num_layers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Flattened model inputs and attention metadata for one forward pass, built in bulk with numpy.
+
+Shared by the target model and a draft model: both read and write K/V through the same
+block tables, so one function turns (tokens, start positions, block ids) into slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.forward_context import AttentionMetadata, PrefillSegment
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64, all requests' new tokens back to back
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    query_lens: np.ndarray  # [R] tokens per request
+    starts: np.ndarray  # [R] tokens already in the cache before this pass
+    cu_start: np.ndarray  # [R] offset of each request's first token in the flat batch
+    cu_end: np.ndarray  # [R] offset past its last token
+
+
+def prepare_inputs(
+    token_ids: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    num_reqs = len(token_ids)
+    query_lens = np.fromiter((len(t) for t in token_ids), np.int64, num_reqs)
+    starts = np.asarray(starts, dtype=np.int64)
+    cu_end = np.cumsum(query_lens)
+    cu_start = cu_end - query_lens
+    total = int(cu_end[-1])
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = np.arange(total) - cu_start[req_of_token] + starts[req_of_token]
+    seq_lens = starts + query_lens
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    block_table = np.zeros((num_reqs, max_blocks), np.int64)
+    for i, ids in enumerate(block_ids):
+        n = min(len(ids), max_blocks)
+        block_table[i, :n] = ids[:n]
+    slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    input_ids = np.fromiter((t for toks in token_ids for t in toks), np.int64, total)
+
+    is_decode = (query_lens == 1) & (starts > 0)
+    decode_rows = np.nonzero(is_decode)[0]
+    md = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        decode_token_idx=None,
+        decode_block_tables=None,
+        decode_seq_lens=None,
+        prefills=[],
+    )
+    if len(decode_rows):
+        d_lens = seq_lens[decode_rows]
+        d_blocks = int(-(-d_lens.max() // block_size))
+        md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(device)
+        md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(device)
+        md.decode_seq_lens = torch.from_numpy(d_lens).to(device)
+    for i in np.nonzero(~is_decode)[0]:
+        n_blocks = int(-(-seq_lens[i] // block_size))
+        md.prefills.append(
+            PrefillSegment(
+                token_start=int(cu_start[i]),
+                query_len=int(query_lens[i]),
+                context_len=int(starts[i]),
+                block_table=torch.from_numpy(block_table[i, :n_blocks]).to(device),
+            )
+        )
+    return StepInputs(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        attn_metadata=md,
+        query_lens=query_lens,
+        starts=starts,
+        cu_start=cu_start,
+        cu_end=cu_end,
+    )
