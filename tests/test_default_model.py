@@ -57,3 +57,24 @@ def test_default_model_greedy_matches_transformers(default_llm):
     assert_greedy_match([o.outputs[0].token_ids for o in outs], ref)
     # The text reads as the reference decodes it.
     assert outs[0].outputs[0].text == tok.decode(ref[0]["tokens"], skip_special_tokens=True)
+
+
+COPY_PROMPT = ("Copy the following text exactly.\n\nText:\nThe river flows from the mountains in the north to the "
+               "sea in the south. Along its banks there are small villages and old mills.\n\nCopy:\nThe river")
+
+
+def test_default_model_greedy_identical_with_speculation(default_llm, tmp_path):
+    """n-gram and a draft model (a 15-layer copy of the target) change nothing in greedy output."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.spec_decode.truncated_draft import make_truncated_draft
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [COPY_PROMPT, PROMPTS[0]]
+    reference = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    draft = make_truncated_draft(None, str(tmp_path / "draft"), 15, keep_last=3)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+                 {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}):
+        llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+        assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] > 0
+        del llm

@@ -1,9 +1,11 @@
-"""Make a draft model from the target itself: keep its first N decoder layers.
+"""Make a draft model from the target itself: keep N of its decoder layers.
 
 The copy shares the target's tokenizer, embeddings and LM head, so its vocabulary always
-matches; fewer layers make it cheaper and (being the same network cut short) often right.
+matches; fewer layers make it cheaper. By default the first N layers are kept; with
+--keep-last M the last M layers are kept too (first N - M, last M), which keeps the hidden
+states in the space the final norm and LM head expect.
 
-    python -m pagedllm.spec_decode.truncated_draft SRC DST --num-layers 4
+    python -m pagedllm.spec_decode.truncated_draft SRC DST --num-layers 6 --keep-last 2
 (SRC may be the default model's name or a .gguf file; it is resolved as the engine does.)
 """
 
@@ -24,22 +26,28 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json", "chat_template.jinja")
 
 
-def make_truncated_draft(src: str | None, dst: str, num_layers: int) -> str:
+def make_truncated_draft(src: str | None, dst: str, num_layers: int, keep_last: int = 0) -> str:
     from transformers import AutoConfig
 
     src = resolve_model_path(src)
     config = AutoConfig.from_pretrained(src)
     text = config.get_text_config()
-    if not 1 <= num_layers < text.num_hidden_layers:
-        raise ValueError(f"num_layers must be in [1, {text.num_hidden_layers}), got {num_layers}")
+    total = text.num_hidden_layers
+    if not 1 <= num_layers < total or not 0 <= keep_last <= num_layers:
+        raise ValueError(f"need 1 <= num_layers < {total} and 0 <= keep_last <= num_layers")
+    kept = list(range(num_layers - keep_last)) + list(range(total - keep_last, total))
+    new_index = {old: new for new, old in enumerate(kept)}
     text.num_hidden_layers = num_layers
     if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:num_layers]
+        text.layer_types = [text.layer_types[i] for i in kept]
     tensors = {}
     for name, tensor in iterate_safetensors(src):
         m = _LAYER.search(name)
-        if m is None or int(m.group(1)) < num_layers:
-            tensors[name] = tensor.contiguous().clone()
+        if m is not None:
+            if int(m.group(1)) not in new_index:
+                continue
+            name = name[: m.start()] + f".layers.{new_index[int(m.group(1))]}." + name[m.end() :]
+        tensors[name] = tensor.contiguous().clone()
     os.makedirs(dst, exist_ok=True)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     config.save_pretrained(dst)
@@ -54,8 +62,9 @@ def main() -> None:
     parser.add_argument("src", help="target model (path, .gguf, or the default model's name)")
     parser.add_argument("dst", help="directory to write the draft model to")
     parser.add_argument("--num-layers", type=int, required=True)
+    parser.add_argument("--keep-last", type=int, default=0)
     args = parser.parse_args()
-    print(make_truncated_draft(args.src, args.dst, args.num_layers))
+    print(make_truncated_draft(args.src, args.dst, args.num_layers, args.keep_last))
 
 
 if __name__ == "__main__":

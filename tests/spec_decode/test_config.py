@@ -1,0 +1,51 @@
+"""speculative_config is checked when the engine is configured: clear ValueErrors."""
+
+import pytest
+
+from pagedllm.config import EngineArgs
+
+
+def _config(tiny_llama, spec):
+    return EngineArgs(model=tiny_llama, speculative_config=spec).create_engine_config().speculative_config
+
+
+def test_ngram_defaults_and_json(tiny_llama):
+    spec = _config(tiny_llama, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 3, 4, 4)
+    assert spec.num_lookahead_tokens == 0
+    spec = _config(tiny_llama, {"method": "ngram", "num_speculative_tokens": 2})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    assert _config(tiny_llama, None) is None
+
+
+def test_draft_model_config(tiny_llama):
+    spec = _config(tiny_llama, {"model": tiny_llama, "num_speculative_tokens": 2})
+    assert spec.method == "draft_model" and spec.num_lookahead_tokens == 2
+    assert spec.draft_model_config.model_path == tiny_llama
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be 'ngram' or 'draft_model'"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min <= prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}, "unknown keys"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_configs(tiny_llama, spec, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tiny_llama, spec)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 100}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        _config(tiny_llama, {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})

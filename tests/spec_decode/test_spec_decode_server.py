@@ -1,0 +1,49 @@
+"""`pagedllm serve --speculative-config ...`: the same greedy text as offline without speculation,
+streamed text equal to non-streamed, draft counters on /metrics, a bad config refused at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics, _serve
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_llama, tmp_path_factory):
+    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", NGRAM))
+
+
+def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
+    client = openai.OpenAI(base_url=f"{spec_server}/v1", api_key=API_KEY, max_retries=0)
+    params = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    full = client.completions.create(**params)
+    offline = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24).generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert full.choices[0].text == offline.text
+    assert len(full.choices[0].logprobs.tokens) == 32 and full.usage.completion_tokens == 32
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**params, stream=True) if c.choices)
+    assert streamed == offline.text
+    m = _metrics(spec_server)
+    assert m["pagedllm:spec_decode_num_draft_tokens_total"] > 0
+    assert m["pagedllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert 0 < m["pagedllm:spec_decode_acceptance_rate"] <= 1
+
+
+def test_bad_speculative_config_is_refused_at_start(tiny_llama):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama, "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 0}'],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "num_speculative_tokens must be an integer >= 1" in proc.stderr
