@@ -38,6 +38,7 @@ class ModelConfig:
     seed: int
     tokenizer: str
     trust_remote_code: bool = False
+    quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading
 
     @property
     def architecture(self) -> str:
@@ -115,6 +116,19 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def _check_quantization(method: str | None, device: torch.device) -> None:
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None, 'int8' or 'int4'; got {method!r}")
+    if device.type != "cpu":
+        # The kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
+        raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine arguments; field names match vLLM's flags."""
@@ -135,6 +149,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
+    quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -174,6 +189,7 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        _check_quantization(self.quantization, device)
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
@@ -195,6 +211,7 @@ class EngineArgs:
                 seed=self.seed,
                 tokenizer=self.tokenizer or model_path,
                 trust_remote_code=self.trust_remote_code,
+                quantization=self.quantization,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -44,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                        help="weight-only quantized linears and LM head (CPU); default: the model's dtype")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
