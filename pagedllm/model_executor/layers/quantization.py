@@ -8,7 +8,8 @@ though: their cost grows linearly with the number of rows, and above a few rows 
 picks by row count (`max_rows`).
 
 Activations go to the kernels in bf16 whatever the model dtype: their float32 paths are
-10-60x slower on this CPU (see docs/performance.md).
+10-60x slower on an AVX-512 bf16 CPU (see docs/performance.md; CPUs without native bf16 are
+unmeasured).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class WeightOnlyQuant(nn.Module):
 
 def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back: bool = True) -> WeightOnlyQuant:
     """Quantize a [out, in] weight; with `write_back`, overwrite it in place with its
-    dequantized values so the float path computes the same model as the kernel.
+    dequantized values so the float path computes the same model as the kernel (up to the
+    rounding of those values to the weight's dtype).
     int4 falls back to int8 for shapes its packing cannot take."""
     n, k = weight.shape
     group = int4_group_size(n, k) if method == "int4" else 0
@@ -128,8 +130,8 @@ class QuantizedLMHead(nn.Module):
     """Logits from a quantized copy of the head, with each row's `top_k` recomputed exactly.
 
     The quantized logits only rank the vocabulary: the candidates that sampling and greedy
-    decoding can realistically pick get the float head's values (a [rows, top_k] gather of
-    the float weight, ~0.3 ms at batch 1), so quantization error is left in the tail only.
+    decoding can realistically pick get the float head's values (a topk and a [rows, top_k]
+    gather of the float weight, ~0.6 ms at batch 1), so quantization error is left in the tail.
     """
 
     def __init__(self, quant: WeightOnlyQuant, top_k: int) -> None:

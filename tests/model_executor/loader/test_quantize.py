@@ -38,6 +38,14 @@ def test_unknown_method_is_a_value_error(tiny_gemma3):
         EngineArgs(model=tiny_gemma3, quantization="int3").create_engine_config()
 
 
+def test_quantization_is_cpu_only():
+    from pagedllm.config import _check_quantization
+
+    _check_quantization("int4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CPU only"):
+        _check_quantization("int8", torch.device("cuda"))
+
+
 def test_cli_flag_reaches_engine_args():
     from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
