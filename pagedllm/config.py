@@ -39,6 +39,7 @@ class ModelConfig:
     seed: int
     tokenizer: str
     trust_remote_code: bool = False
+    quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading
 
     @property
     def architecture(self) -> str:
@@ -127,7 +128,7 @@ def parse_speculative_config(
     if not spec.get("model"):
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
     draft = build_model_config(spec["model"], None, target.dtype, device, target.max_model_len,
-                               target.seed, target.trust_remote_code)
+                               target.seed, target.trust_remote_code, target.quantization)
     if draft.text_config.vocab_size != target.text_config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft.text_config.vocab_size}) differs from the target's "
@@ -184,6 +185,19 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def _check_quantization(method: str | None, device: torch.device) -> None:
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None, 'int8' or 'int4'; got {method!r}")
+    if device.type != "cpu":
+        # The kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
+        raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
+
+
 def build_model_config(
     model: str | None,
     tokenizer: str | None,
@@ -192,6 +206,7 @@ def build_model_config(
     max_model_len: int | None,
     seed: int,
     trust_remote_code: bool,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Resolve a model name or path into its config (shared by the target and a draft model)."""
     from transformers import AutoConfig
@@ -215,6 +230,7 @@ def build_model_config(
         seed=seed,
         tokenizer=tokenizer or model_path,
         trust_remote_code=trust_remote_code,
+        quantization=quantization,
     )
 
 
@@ -238,6 +254,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
+    quantization: str | None = None
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} or its JSON
     speculative_config: dict | str | None = None
 
@@ -247,8 +264,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         device = _resolve_device(self.device)
+        _check_quantization(self.quantization, device)
         model_config = build_model_config(
-            self.model, self.tokenizer, self.dtype, device, self.max_model_len, self.seed, self.trust_remote_code
+            self.model, self.tokenizer, self.dtype, device, self.max_model_len, self.seed, self.trust_remote_code,
+            self.quantization,
         )
         max_model_len = model_config.max_model_len
         if self.block_size not in (8, 16, 32, 64, 128):

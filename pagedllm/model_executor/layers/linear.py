@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -22,6 +24,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.weight.weight_loader = default_weight_loader
         if bias:
@@ -31,6 +34,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
+            return self.quant(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

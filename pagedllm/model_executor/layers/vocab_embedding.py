@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_executor.layers.linear import default_weight_loader
+from pagedllm.model_executor.layers.quantization import QuantizedLMHead
 
 
 class VocabEmbedding(nn.Module):
@@ -25,6 +26,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
         self.tied_to = tied_to
+        self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py; runs few rows
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
             self.weight.weight_loader = default_weight_loader
@@ -33,7 +35,10 @@ class LMHead(nn.Module):
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         # Left in the model dtype: greedy argmax needs no float32 copy of [B, vocab]
         # (bf16 → fp32 is exact, so the sampler converts only when it must).
-        logits = F.linear(hidden, weight)
+        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+            logits = self.quant(hidden, weight)
+        else:
+            logits = F.linear(hidden, weight)
         if softcap:
             logits = torch.tanh(logits.float() / softcap) * softcap
         return logits

@@ -20,4 +20,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     finally:
         torch.set_default_dtype(prev_dtype)
     model.load_weights(iterate_safetensors(model_config.model_path))
+    if model_config.quantization:
+        from pagedllm.model_executor.loader.quantize import quantize_model
+
+        quantize_model(model, model_config.quantization)
     return model.eval().requires_grad_(False)

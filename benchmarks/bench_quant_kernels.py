@@ -1,0 +1,100 @@
+"""Microbenchmark of the weight-only kernels against bf16 F.linear for Gemma 3 270M's shapes.
+
+Two views, since they disagree: one weight timed over and over (it stays in cache, which
+flatters small shapes), and a decode-like pass over 18 layers' worth of weights (streamed from
+memory, as in a real forward pass). Numbers in docs/performance.md.
+
+    python benchmarks/bench_quant_kernels.py [--rows 1,4,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model_executor.layers.quantization import quantize_int4, quantize_int8
+
+DECODER_SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)}
+LM_HEAD = (262144, 640)
+NUM_LAYERS = 18
+
+
+def median_ms(fn: Callable[..., object], *args: object, reps: int = 20) -> float:
+    fn(*args)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
+
+
+def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros.to(x.dtype))
+
+
+def formats(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """name -> x ↦ x @ w.T in that weight format (activations in x's dtype)."""
+    q8, s8 = quantize_int8(w)
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "bf16": partial(F.linear, weight=w.bfloat16()),
+        "int8": partial(_int8, q=q8, scale=s8),
+    }
+    for g in (32, 128):
+        q4, sz = quantize_int4(w, g)
+        p4 = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
+        fns[f"int4 g{g}"] = partial(_int4, packed=p4, group=g, scales_and_zeros=sz)
+    return fns
+
+
+def per_shape(rows: list[int]) -> None:
+    print("one weight, timed repeatedly (cache-hot for the decoder shapes), ms")
+    for name, (n, k) in {**DECODER_SHAPES, "lm_head": LM_HEAD}.items():
+        w = torch.randn(n, k) * 0.02
+        fns = formats(w)
+        for m in rows:
+            reps = 100 if n < 10000 else 5
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            cells = [f"{f}: {median_ms(fn, xb, reps=reps):.3f}" for f, fn in fns.items()]
+            cells.append(f"fp32 F.linear: {median_ms(F.linear, x, w, reps=reps):.3f}")
+            cells.append(f"int8 fp32-act: {median_ms(fns['int8'], x, reps=max(reps // 10, 2)):.3f}")
+            print(f"  {name:8s} rows {m:3d} | " + " | ".join(cells), flush=True)
+
+
+def _step(layers: list[dict[str, dict]], xs: dict[str, torch.Tensor], fmt: str) -> None:
+    for layer in layers:
+        for name, fns in layer.items():
+            fns[fmt](xs[name])
+
+
+def decode_stack(rows: list[int]) -> None:
+    print(f"decode-like: {NUM_LAYERS} layers x {list(DECODER_SHAPES)}, weights streamed, ms per step")
+    layers = [{name: formats(torch.randn(n, k) * 0.02) for name, (n, k) in DECODER_SHAPES.items()}
+              for _ in range(NUM_LAYERS)]
+    for m in rows:
+        xs = {name: torch.randn(m, k).bfloat16() for name, (_, k) in DECODER_SHAPES.items()}
+        cells = [f"{fmt}: {median_ms(_step, layers, xs, fmt):.2f}" for fmt in layers[0]["qkv"]]
+        print(f"  rows {m:3d} | " + " | ".join(cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,8,64", help="comma-separated row counts")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    decode_stack(rows)
+    per_shape(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Weight-only int8 / int4 copies of weights, run by PyTorch's CPU kernels.
+
+`torch._weight_int8pack_mm` (per-output-channel symmetric int8) and
+`torch._weight_int4pack_mm_for_cpu` (group-wise asymmetric int4) stream 2-4x fewer bytes
+than a bf16 GEMV, which is what batch-1 decode is bound by. They are GEMV-shaped loops,
+though: their cost grows linearly with the number of rows, and above a few rows bf16
+`F.linear` (a real GEMM) is faster. So a quantized layer keeps its float weight too and
+picks by row count (`max_rows`).
+
+Activations go to the kernels in bf16 whatever the model dtype: their float32 paths are
+10-60x slower on an AVX-512 bf16 CPU (see docs/performance.md; CPUs without native bf16 are
+unmeasured).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP_SIZES = (128, 64, 32)  # the kernel takes 32, 64, 128 or 256; the largest that fits is fastest
+_INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
+# Big weights (the LM head) are quantized in slices to bound temporaries; a multiple of the
+# packing's 64-row blocks, so slices pack exactly as the whole weight does.
+_CHUNK_ROWS = 16384
+_KERNEL_DTYPE = torch.bfloat16
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8, w ≈ q * scale with q in [-127, 127]: (q [N, K], scale [N] bf16)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of inputs in the kernel's convention, w ≈ (q - 8) * scale + zero
+    with q in [0, 15]: (q [N, K] int32, scales_and_zeros [K / group, N, 2] bf16)."""
+    n, k = w.shape
+    w = w.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    # Round against the bf16 scale and zero the kernel will use, not the exact ones.
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
+    zero = (lo + 8 * scale).to(_KERNEL_DTYPE).float()
+    q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(_KERNEL_DTYPE)
+    return q.view(n, k), scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, groups, 2]
+    groups = sz.shape[1]
+    return ((q.view(n, groups, k // groups).float() - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+
+
+def int4_group_size(out_features: int, in_features: int) -> int | None:
+    """The group size int4 uses for this shape, or None if the packing cannot take it."""
+    if out_features % _INT4_ROW_MULTIPLE:
+        return None
+    return next((g for g in INT4_GROUP_SIZES if in_features % g == 0), None)
+
+
+class WeightOnlyQuant(nn.Module):
+    """The quantized form of one [out, in] weight and the kernel that multiplies by it.
+    The owning layer calls it for at most `max_rows` rows and runs its float weight above."""
+
+    def __init__(
+        self, method: str, qweight: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int,
+        max_rows: int,
+    ) -> None:
+        super().__init__()
+        self.method = method
+        self.in_features = in_features
+        self.out_features = qweight.shape[0]
+        self.group_size = group_size
+        self.max_rows = max_rows
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
+        if self.method == "int8":
+            out = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
+        out = out.to(x.dtype).view(*shape[:-1], self.out_features)
+        return out if bias is None else out + bias
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.method}, in={self.in_features}, out={self.out_features}{group}, max_rows={self.max_rows}"
+
+
+def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back: bool = True) -> WeightOnlyQuant:
+    """Quantize a [out, in] weight; with `write_back`, overwrite it in place with its
+    dequantized values so the float path computes the same model as the kernel (up to the
+    rounding of those values to the weight's dtype).
+    int4 falls back to int8 for shapes its packing cannot take."""
+    n, k = weight.shape
+    group = int4_group_size(n, k) if method == "int4" else 0
+    if method == "int4" and group is None:
+        method, group = "int8", 0
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization method {method!r}")
+    qs, scales = [], []
+    for start in range(0, n, _CHUNK_ROWS):
+        rows = weight[start : start + _CHUNK_ROWS]
+        if method == "int8":
+            q, s = quantize_int8(rows)
+            deq = dequantize_int8(q, s) if write_back else None
+            qs.append(q)
+        else:
+            q, s = quantize_int4(rows, group)
+            deq = dequantize_int4(q, s) if write_back else None
+            qs.append(torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        scales.append(s)
+        if deq is not None:
+            rows.copy_(deq)
+    scales_t = torch.cat(scales, dim=0 if method == "int8" else 1).contiguous()
+    return WeightOnlyQuant(method, torch.cat(qs), scales_t, k, group, max_rows)
+
+
+class QuantizedLMHead(nn.Module):
+    """Logits from a quantized copy of the head, with each row's `top_k` recomputed exactly.
+
+    The quantized logits only rank the vocabulary: the candidates that sampling and greedy
+    decoding can realistically pick get the float head's values (a topk and a [rows, top_k]
+    gather of the float weight, ~0.6 ms at batch 1), so quantization error is left in the tail.
+    """
+
+    def __init__(self, quant: WeightOnlyQuant, top_k: int) -> None:
+        super().__init__()
+        self.quant = quant
+        self.top_k = min(top_k, quant.out_features)
+
+    @property
+    def max_rows(self) -> int:
+        return self.quant.max_rows
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        logits = self.quant(hidden)
+        if self.top_k:
+            idx = logits.topk(self.top_k, dim=-1).indices
+            exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)
+            logits.scatter_(1, idx, exact.to(logits.dtype))
+        return logits

@@ -1,0 +1,128 @@
+"""Weight-only int8 / int4: quantization error bounds, kernels against a float reference, and
+the row-count dispatch of `Linear` / `LMHead`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model_executor.layers import quantization as qz
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05
+
+
+def test_int8_roundtrip_within_half_a_step():
+    w = _weight(48, 96)
+    q, scale = qz.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (48,)
+    err = (qz.dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale.float()[:, None] * 0.5 + 1e-6).all()
+
+
+def test_int4_roundtrip_within_half_a_step():
+    w = _weight(48, 96)
+    q, sz = qz.quantize_int4(w, 32)
+    assert q.min() >= 0 and q.max() <= 15 and sz.shape == (3, 48, 2)
+    err = (qz.dequantize_int4(q, sz) - w).abs().view(48, 3, 32)
+    step = sz.float().transpose(0, 1)[..., 0]
+    # Half a step, plus what the bf16 rounding of the zero point can add.
+    assert (err <= step[..., None] * 0.5 + sz.float().transpose(0, 1)[..., 1:].abs() / 256 + 1e-6).all()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_kernel_matches_dequantized_reference(method, dtype, rows):
+    w = _weight(64, 128)
+    deq = w.clone()
+    quant = qz.quantize_weight(deq, method, max_rows=4)  # `deq` now holds the dequantized weight
+    assert quant.method == method
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(64)
+    out = quant(x.to(dtype), bias.to(dtype))
+    assert out.dtype == dtype and out.shape == (rows, 64)
+    ref = F.linear(x.bfloat16().float(), deq, bias)  # the kernel sees bf16 activations
+    torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.02)
+    # and the quantized layer stays close to the unquantized one
+    exact = F.linear(x, w, bias)
+    rel = (out.float() - exact).norm() / exact.norm()
+    assert rel < (0.1 if method == "int4" else 0.02)
+
+
+def test_int4_falls_back_to_int8_for_shapes_it_cannot_pack():
+    quant = qz.quantize_weight(_weight(40, 64), "int4", 4)  # 40 rows: not a multiple of 16
+    assert quant.method == "int8"
+    quant = qz.quantize_weight(_weight(32, 48), "int4", 4)  # 48 inputs: no group of 32 fits
+    assert quant.method == "int8"
+
+
+def test_write_back_false_leaves_the_weight_alone():
+    w = _weight(32, 64)
+    before = w.clone()
+    qz.quantize_weight(w, "int4", 4, write_back=False)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_chunked_quantization_equals_whole(monkeypatch, method):
+    w = _weight(160, 64)  # 64-row slices and a 32-row tail
+    whole_w = w.clone()
+    whole = qz.quantize_weight(whole_w, method, 4)
+    monkeypatch.setattr(qz, "_CHUNK_ROWS", 64)
+    chunked_w = w.clone()
+    chunked = qz.quantize_weight(chunked_w, method, 4)
+    assert torch.equal(whole.qweight, chunked.qweight) and torch.equal(whole.scales, chunked.scales)
+    assert torch.equal(whole_w, chunked_w)
+
+
+def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
+    lin = Linear(64, 32, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(_weight(32, 64))
+        lin.bias.normal_()
+        lin.quant = qz.quantize_weight(lin.weight.data, "int8", max_rows=4)
+    calls = []
+    kernel = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or kernel(*a))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    few = lin(x[:2])
+    assert len(calls) == 1
+    many = lin(x)
+    assert len(calls) == 1  # 8 rows > max_rows: bf16/fp32 GEMM on the dequantized weight
+    torch.testing.assert_close(few, many[:2], atol=0.03, rtol=0.02)
+
+
+def test_int4_takes_the_largest_group_that_fits():
+    assert qz.int4_group_size(64, 640) == 128
+    assert qz.int4_group_size(64, 192) == 64
+    assert qz.int4_group_size(64, 96) == 32
+    assert qz.int4_group_size(40, 640) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_head_recomputes_its_top_k_exactly(dtype):
+    emb = VocabEmbedding(512, 64).to(dtype)
+    with torch.no_grad():
+        emb.weight.copy_(_weight(512, 64))
+    before = emb.weight.detach().clone()
+    head = LMHead(512, 64, tied_to=emb)
+    quant = qz.quantize_weight(emb.weight.data, "int4", max_rows=4, write_back=False)
+    head.quant = qz.QuantizedLMHead(quant, top_k=32)
+    assert torch.equal(emb.weight, before)  # the embedding is not touched
+
+    h = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got, exact, approx = head(h[:3]), F.linear(h[:3], before), quant(h[:3])
+    assert got.dtype == dtype
+    top = approx.topk(32, dim=-1).indices
+    # The 32 best by the int4 ranking get the float head's values, the rest keep the int4 ones.
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top))
+    tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[tail], approx[tail])
+    assert (got.argmax(-1) == exact.argmax(-1)).all()
+    assert torch.equal(head(h), F.linear(h, before))  # above max_rows: the float head itself
