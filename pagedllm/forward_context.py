@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the new token
     prefills: list[PrefillSegment]
+    # sliding window (None: full) → [num_decodes, max_len] bool, True where a key is masked
+    # out; built by the first layer that needs it, shared by the others.
+    decode_masks: dict = field(default_factory=dict)
 
 
 _current: AttentionMetadata | None = None

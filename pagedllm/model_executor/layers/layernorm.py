@@ -27,6 +27,14 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size))
+        # 1 + weight in float32, kept until the weight changes: two fewer ops per call, and a
+        # decode step makes 6 such calls per layer.
+        self._scale: torch.Tensor | None = None
+        self._scale_key: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device)
+        if self._scale_key != key:
+            self._scale, self._scale_key = 1.0 + w.detach().float(), key
+        return F.rms_norm(x.float(), self.weight.shape, self._scale, self.eps).to(x.dtype)
