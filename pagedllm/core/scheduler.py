@@ -123,7 +123,7 @@ class Scheduler:
                 continue
             while True:
                 if self.kv_cache_manager.allocate_slots(
-                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                    request, num_new, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new)
                 ) is not None:
                     break
                 victim = self._pick_victim()
@@ -165,7 +165,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if self.kv_cache_manager.allocate_slots(
-                request, num_new, computed_blocks, num_computed, self.num_lookahead_tokens
+                request, num_new, computed_blocks, num_computed, self._lookahead(num_computed + num_new)
             ) is None:
                 break
             self.waiting.pop()
@@ -184,6 +184,11 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return self._build_output(num_scheduled, preempted)
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """Slots for a draft model's proposals; none past max_model_len, where it never proposes
+        (so a KV cache that holds max_model_len tokens is always enough)."""
+        return min(self.num_lookahead_tokens, max(0, self.max_model_len - num_tokens_after_step))
 
     def _fail_grammar(self, request: Request) -> None:
         error = request.structured_output.error  # read before _free_request drops it

@@ -96,12 +96,15 @@ class DraftModelProposer:
         out = greedy_argmax(logits).tolist()
         if md.all_greedy:
             return out
-        for n, a in enumerate(live):
-            if bool(md.greedy[a]):
-                continue
-            q = target_probs(logits[n : n + 1], md, torch.tensor([a], device=logits.device))[0]
-            gen = md.generators.get(a, self.generator)
-            e = torch.empty_like(q).exponential_(generator=gen)
+        sampled = [n for n, a in enumerate(live) if not bool(md.greedy[a])]
+        if not sampled:
+            return out
+        dev = logits.device
+        q_rows = target_probs(logits[torch.tensor(sampled, device=dev)], md,
+                              torch.tensor([live[n] for n in sampled], device=dev))
+        for q, n in zip(q_rows, sampled):
+            a = live[n]
+            e = torch.empty_like(q).exponential_(generator=md.generators.get(a, self.generator))
             out[n] = int((q / e).argmax())
             probs[a].append(q)
         return out

@@ -195,3 +195,17 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, drafts):
     assert 0.05 < m["pagedllm:spec_decode_acceptance_rate"] < 0.99  # both paths (accept, resample) ran
     assert _chi_square_pvalue(counts2, second) > 1e-3
     assert _chi_square_pvalue(counts3, third) > 1e-3
+
+
+def test_draft_model_with_mixed_sampling_settings_in_one_batch(tiny_llama, drafts):
+    """Greedy, top-k and full-vocabulary sampled requests verified in the same steps."""
+    llm = _engine(tiny_llama, {"method": "draft_model", "model": drafts["llama_truncated"],
+                               "num_speculative_tokens": 3})
+    params = [GREEDY,
+              SamplingParams(temperature=0.9, top_k=5, max_tokens=24, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.9, top_p=0.8, max_tokens=24, ignore_eos=True, seed=2),
+              SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
+    assert outs[0].outputs[0].token_ids == _ids(_generate(_engine(tiny_llama), GREEDY, PROMPTS[:1]))[0]
+

@@ -17,21 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model_executor.layers.sampler import SamplingMetadata, apply_top_k_top_p
+from pagedllm.model_executor.layers.sampler import sampling_probs as target_probs
 
-
-def target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-    """The distribution the sampler draws from, given processed logits ([len(rows), V]) of
-    metadata rows `rows`: temperature, top-k, min-p, top-p, in the sampler's order. Float32."""
-    x = logits.float() / md.temperature[rows].unsqueeze(1)
-    if md.top_k is not None:
-        x = apply_top_k_top_p(x, md.top_k[rows], None)
-    if md.min_p is not None:
-        probs = x.softmax(dim=-1)
-        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * md.min_p[rows].unsqueeze(1), float("-inf"))
-    if md.top_p is not None:
-        x = apply_top_k_top_p(x, None, md.top_p[rows])
-    return x.softmax(dim=-1)
+__all__ = ["accept_certain", "accept_sampled", "target_probs"]
 
 
 def accept_certain(drafts: list[int], target_tokens: list[int]) -> list[int]:

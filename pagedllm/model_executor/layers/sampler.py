@@ -145,15 +145,7 @@ class Sampler:
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
-        logits = logits.float() / md.temperature[idx].unsqueeze(1)
-        if md.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p[idx].unsqueeze(1)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        top_p = md.top_p[idx] if md.top_p is not None else None
-        if top_p is not None and bool((top_p < 1.0).any()):
-            logits = apply_top_k_top_p(logits, None, top_p)
-        return self._exponential_race(logits.softmax(dim=-1), gens)
+        return self._exponential_race(sampling_probs(logits, md, idx), gens)
 
     def _exponential_race(
         self, probs: torch.Tensor, generators: dict[int, torch.Generator], widths: list[int] | None = None
@@ -175,6 +167,23 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """max(dim).indices: the same first-maximum index as argmax, but argmax over bf16 is not
     vectorised on CPU (30 ms vs 8 ms for [64, 262144] here)."""
     return logits.max(dim=-1).indices
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+    """The distribution a random row is drawn from, given its processed logits ([len(rows), V]) and
+    metadata rows `rows`: temperature, top-k, min-p, top-p, in that order; [len(rows), V] float32.
+    Speculative decoding verifies drafts against the same distribution."""
+    x = logits.float() / md.temperature[rows].unsqueeze(1)
+    top_k = md.top_k[rows] if md.top_k is not None else None
+    if top_k is not None and bool((top_k > 0).any()):
+        x = apply_top_k_top_p(x, top_k, None)
+    if md.min_p is not None:  # p / p_max >= min_p does not depend on the normalisation
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * md.min_p[rows].unsqueeze(1), float("-inf"))
+    top_p = md.top_p[rows] if md.top_p is not None else None
+    if top_p is not None and bool((top_p < 1.0).any()):
+        x = apply_top_k_top_p(x, None, top_p)
+    return x.softmax(dim=-1)
 
 
 def gather_logprobs(

@@ -70,3 +70,12 @@ def test_target_probs_applies_temperature_top_k_top_p_min_p():
     md.top_p, md.min_p = None, torch.tensor([0.1])
     probs = target_probs(logits, md, torch.tensor([0]))  # keep p >= 0.1 * p_max: e^-2 = 0.135, e^-4 < 0.1
     assert (probs[0] > 0).tolist() == [True, True, False, False, False]
+
+
+def test_target_probs_of_rows_without_top_k_in_a_batch_that_has_some():
+    """Rows with top_k off next to rows with it on: only the selected rows' settings apply."""
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    md = SamplingMetadata(temperature=torch.tensor([1.0, 1.0]), top_k=torch.tensor([0, 1]),
+                          top_p=torch.tensor([1.0, 0.5]), greedy=None, all_greedy=False, generators={})
+    torch.testing.assert_close(target_probs(logits[:1], md, torch.tensor([0]))[0], logits[0].softmax(-1))
+    assert target_probs(logits[1:], md, torch.tensor([1]))[0].tolist() == [1.0, 0.0, 0.0]
