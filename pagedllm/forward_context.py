@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -29,11 +30,22 @@ class AttentionMetadata:
     # Decode requests (query of one token) are batched into one padded attention call.
     decode_token_idx: torch.Tensor | None  # [num_decodes] positions in the flat batch
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the new token
+    decode_seq_lens: np.ndarray | None  # [num_decodes] int64, including the new token
     prefills: list[PrefillSegment]
-    # sliding window (None: full) → [num_decodes, max_len] bool, True where a key is masked
-    # out; built by the first layer that needs it, shared by the others.
-    decode_masks: dict = field(default_factory=dict)
+    # sliding window (None: full) → the DecodeView its layers read; built by the first layer
+    # that needs it, shared by the others.
+    decode_views: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DecodeView:
+    """The keys a decode attention call reads: only the block-table columns that hold some
+    sequence's keys within its window, and a mask for the rest (None when nothing is masked)."""
+
+    block_tables: torch.Tensor  # [num_decodes, n] int64
+    first_key: int  # keys [first_key, num_keys) of the gathered blocks are read
+    num_keys: int
+    masked_out: torch.Tensor | None  # [num_decodes, 1, 1, num_keys - first_key] bool
 
 
 _current: AttentionMetadata | None = None

@@ -64,7 +64,7 @@ def prepare_inputs(
         d_blocks = int(-(-d_lens.max() // block_size))
         md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(device)
         md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(device)
-        md.decode_seq_lens = torch.from_numpy(d_lens).to(device)
+        md.decode_seq_lens = d_lens
     for i in np.nonzero(~is_decode)[0]:
         n_blocks = int(-(-seq_lens[i] // block_size))
         md.prefills.append(

@@ -5,15 +5,17 @@ Every call first scatters the step's new K/V into their slots (slot_mapping), th
   blocks, masked by sequence length (and sliding window);
 - runs each multi-token query (prefill chunk) as its own SDPA call with a causal
   mask offset by the tokens already in its cache.
+Sliding-window layers read only the blocks that hold some query's window.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.forward_context import AttentionMetadata, PrefillSegment, get_attention_metadata
+from pagedllm.forward_context import AttentionMetadata, DecodeView, PrefillSegment, get_attention_metadata
 
 
 class Attention(nn.Module):
@@ -44,6 +46,8 @@ class Attention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
 
+        if not md.prefills:  # decodes only: no scatter into a shared output
+            return self._decode(q, k_cache, v_cache, md, block_size)
         out = torch.empty_like(q)
         if md.decode_token_idx is not None:
             out[md.decode_token_idx] = self._decode(q[md.decode_token_idx], k_cache, v_cache, md, block_size)
@@ -60,27 +64,22 @@ class Attention(nn.Module):
         md: AttentionMetadata,
         block_size: int,
     ) -> torch.Tensor:
-        tables = md.decode_block_tables
-        num_seqs, num_blocks = tables.shape
-        max_len = num_blocks * block_size
-        flat = tables.flatten()
-        keys = k_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
-        values = v_cache.index_select(0, flat).view(num_seqs, max_len, self.num_kv_heads, self.head_dim)
-        masked_out = md.decode_masks.get(self.sliding_window)
-        if masked_out is None:
-            pos = torch.arange(max_len, device=q.device)
-            seq_lens = md.decode_seq_lens[:, None]
-            mask = pos[None, :] < seq_lens
-            if self.sliding_window is not None:
-                mask &= pos[None, :] >= seq_lens - self.sliding_window
-            masked_out = md.decode_masks[self.sliding_window] = ~mask[:, None, None, :]
+        view = md.decode_views.get(self.sliding_window)
+        if view is None:
+            view = md.decode_views[self.sliding_window] = decode_view(md, self.sliding_window, block_size, q.device)
+        num_seqs, num_blocks = view.block_tables.shape
+        flat = view.block_tables.flatten()
+        shape = (num_seqs, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        keys = k_cache.index_select(0, flat).view(shape)[:, view.first_key : view.num_keys]
+        values = v_cache.index_select(0, flat).view(shape)[:, view.first_key : view.num_keys]
         # Plain matmuls (for one query token per sequence ~10x faster on CPU than SDPA with a
         # mask) in the cache's dtype, as the reference's bf16 attention does, so the gathered
         # K/V need no float32 copy; the softmax is in float32.
         group = self.num_heads // self.num_kv_heads
         qg = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hk, G, L]
-        scores.masked_fill_(masked_out, float("-inf"))
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float().mul_(self.scale)  # [B, Hk, G, L]
+        if view.masked_out is not None:
+            scores.masked_fill_(view.masked_out, float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1).to(q.dtype), values.transpose(1, 2))  # [B, Hk, G, D]
         return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
@@ -96,20 +95,19 @@ class Attention(nn.Module):
         if seg.context_len == 0:
             return self._causal(q, k, v)
         total = seg.context_len + seg.query_len
-        keys = k_cache.index_select(0, seg.block_table).view(-1, self.num_kv_heads, self.head_dim)[:total]
-        values = v_cache.index_select(0, seg.block_table).view(-1, self.num_kv_heads, self.head_dim)[:total]
+        block_size = k_cache.shape[1]
+        first = 0  # a sliding-window layer skips the blocks before its earliest query's window
+        if self.sliding_window is not None:
+            first = max(0, seg.context_len + 1 - self.sliding_window) // block_size * block_size
+        table = seg.block_table[first // block_size :]
+        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[: total - first]
+        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[: total - first]
         q_pos = torch.arange(seg.context_len, total, device=q.device)[:, None]
-        k_pos = torch.arange(total, device=q.device)[None, :]
+        k_pos = torch.arange(first, total, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
-        # Same float32 matmul path as decode (SDPA with an explicit mask is slow on CPU).
-        group = self.num_heads // self.num_kv_heads
-        qf = q.view(seg.query_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).float()
-        scores = torch.matmul(qf, keys.permute(1, 2, 0).float().unsqueeze(1)) * self.scale  # [Hk, G, Lq, Lk]
-        scores.masked_fill_(~mask, float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1).float().unsqueeze(1))  # [Hk, G, Lq, D]
-        return out.permute(2, 0, 1, 3).reshape(seg.query_len, self.num_heads, self.head_dim).to(q.dtype)
+        return self._sdpa(q, keys, values, mask=mask)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention among the new tokens alone (no cached context)."""
@@ -128,13 +126,38 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
+        # 4-D inputs: for 3-D ones CPU SDPA falls back to its (~3x slower) math kernel.
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=is_causal,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
+
+
+def decode_view(
+    md: AttentionMetadata, window: int | None, block_size: int, device: torch.device
+) -> DecodeView:
+    """Which blocks and keys the batch's decodes read under `window`.
+
+    A sliding-window layer reads only the block-table columns from the earliest window start
+    on, so its cost stays bounded however long the sequences grow. A lone sequence reads
+    exactly its keys and needs no mask."""
+    lens = md.decode_seq_lens
+    lo = np.maximum(lens - window, 0) if window is not None else np.zeros_like(lens)
+    first_block = int(lo.min()) // block_size
+    tables = md.decode_block_tables[:, first_block:]
+    base = first_block * block_size
+    if len(lens) == 1:
+        return DecodeView(tables, int(lo[0]) - base, int(lens[0]) - base, None)
+    num_keys = tables.shape[1] * block_size
+    pos = torch.arange(base, base + num_keys, device=device)
+    seq_lens = torch.from_numpy(lens).to(device)[:, None]
+    mask = pos[None, :] < seq_lens
+    if window is not None:
+        mask &= pos[None, :] >= seq_lens - window
+    return DecodeView(tables, 0, num_keys, ~mask[:, None, None, :])

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
 
 
@@ -25,6 +26,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
+        self.packed: torch.Tensor | None = None  # set by cpu_gemm.pack_model; replaces the weight
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.weight.weight_loader = default_weight_loader
         if bias:
@@ -36,6 +38,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
             return self.quant(x, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

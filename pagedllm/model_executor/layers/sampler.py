@@ -163,10 +163,25 @@ class Sampler:
         return greedy_argmax(probs.div_(q))
 
 
+_ARGMAX_CHUNK = 1024
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """max(dim).indices: the same first-maximum index as argmax, but argmax over bf16 is not
-    vectorised on CPU (30 ms vs 8 ms for [64, 262144] here)."""
-    return logits.max(dim=-1).indices
+    """The first maximum's index of each row, as argmax gives it, found in two passes: the
+    maximum of each chunk of the vocabulary (`amax`, vectorised), then the index within the
+    first chunk holding the row's maximum. Over a [64, 262144] bf16 head this is ~3x faster
+    than `max(dim)`, and `argmax` over bf16 is slower still (it is not vectorised on CPU)."""
+    rows, vocab = logits.shape
+    n = vocab // _ARGMAX_CHUNK
+    if n < 4:
+        return logits.max(dim=-1).indices
+    chunk_max = logits[:, : n * _ARGMAX_CHUNK].unflatten(1, (n, _ARGMAX_CHUNK)).amax(dim=-1)
+    if vocab > n * _ARGMAX_CHUNK:  # the tail is one more, shorter chunk
+        chunk_max = torch.cat([chunk_max, logits[:, n * _ARGMAX_CHUNK :].amax(dim=-1, keepdim=True)], dim=1)
+    start = chunk_max.max(dim=-1).indices * _ARGMAX_CHUNK
+    # A short tail chunk repeats its last column: repeats come after it, so the first maximum holds.
+    cols = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, cols).max(dim=-1).indices
 
 
 def sampling_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import default_weight_loader
 from pagedllm.model_executor.layers.quantization import QuantizedLMHead
 
@@ -27,6 +28,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.tied_to = tied_to
         self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py; runs few rows
+        self.packed: torch.Tensor | None = None  # set by cpu_gemm.pack_model
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
             self.weight.weight_loader = default_weight_loader
@@ -37,6 +39,8 @@ class LMHead(nn.Module):
         # (bf16 → fp32 is exact, so the sampler converts only when it must).
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             logits = self.quant(hidden, weight)
+        elif self.packed is not None:
+            logits = packed_linear(hidden, self.packed, None)
         else:
             logits = F.linear(hidden, weight)
         if softcap:

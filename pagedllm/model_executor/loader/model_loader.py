@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.cpu_gemm import pack_model
 from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
 from pagedllm.model_executor.models.registry import resolve_model_cls
 
@@ -24,4 +25,5 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
         quantize_model(model, model_config.quantization)
+    pack_model(model)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,98 @@
+"""Paged attention against dense attention over each sequence's own keys, in float64.
+
+Blocks are scattered at random over the cache, sequences have different lengths, and the
+batches mix decodes with prefill chunks that have cached context, so the block tables,
+the slot mapping and the sliding-window block skipping are all exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.forward_context import set_forward_context
+from pagedllm.model_executor.layers.attention import Attention, decode_view
+from pagedllm.worker.step_inputs import prepare_inputs
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
+SCALE = 0.3
+
+
+def _reference(q, keys, values, positions, window):
+    """q: [Lq, H, D] at `positions`; keys/values: [L, Hk, D] of the whole sequence."""
+    group = HEADS // KV_HEADS
+    k = keys.repeat_interleave(group, dim=1).double()
+    v = values.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
+    kpos = torch.arange(keys.shape[0])[None, :]
+    qpos = torch.as_tensor(positions)[:, None]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0):
+    """Sequences whose first seq_len - query_len tokens are cached; the rest are this step's."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, SCALE, window)
+    attn.kv_cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    block_ids, seqs = [], []
+    for n in seq_lens:
+        ids = [perm.pop() for _ in range(-(-n // BLOCK))]
+        block_ids.append(ids)
+        kv = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        seqs.append(kv)
+    starts = [n - ql for n, ql in zip(seq_lens, query_lens)]
+    for ids, kv, start in zip(block_ids, seqs, starts):
+        for pos in range(start):  # the cached context
+            attn.kv_cache[:, ids[pos // BLOCK], pos % BLOCK] = kv[:, pos]
+    token_ids = [[0] * ql for ql in query_lens]
+    inputs = prepare_inputs(token_ids, starts, block_ids, BLOCK, torch.device("cpu"))
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.cat([kv[0, s:] for kv, s in zip(seqs, starts)])
+    v = torch.cat([kv[1, s:] for kv, s in zip(seqs, starts)])
+    with set_forward_context(inputs.attn_metadata):
+        out = attn(q, k, v)
+    offset = 0
+    for kv, n, ql in zip(seqs, seq_lens, query_lens):
+        ref = _reference(q[offset : offset + ql], kv[0], kv[1], list(range(n - ql, n)), window)
+        torch.testing.assert_close(out[offset : offset + ql].double(), ref, **_tol(dtype))
+        offset += ql
+    return inputs.attn_metadata
+
+
+def _tol(dtype):
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_batch_of_different_lengths(window, dtype):
+    _run([3, 17, 9, 30], [1, 1, 1, 1], window, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 8, 23])
+def test_single_decode_reads_exactly_its_keys(window, seq_len):
+    _run([seq_len], [1], window)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_batch_of_decodes_and_prefills_with_context(window):
+    _run([12, 20, 5, 9, 14], [1, 7, 5, 1, 3], window)
+
+
+def test_sliding_window_reads_only_the_blocks_in_the_window():
+    md = _run([40, 37], [1, 1], window=6)
+    view = decode_view(md, 6, BLOCK, torch.device("cpu"))
+    # The earliest window starts at key 31 (37 - 6): blocks from 31 // 4 = 7 on, of 10.
+    assert view.block_tables.shape == (2, 3)
+    full = decode_view(md, None, BLOCK, torch.device("cpu"))
+    assert full.block_tables.shape == (2, 10)
+    lone = decode_view(_run([40], [1], window=6), 6, BLOCK, torch.device("cpu"))
+    assert lone.block_tables.shape == (1, 2) and lone.masked_out is None
+    assert (lone.first_key, lone.num_keys) == (2, 8)  # keys 34..39 of blocks 8 and 9
