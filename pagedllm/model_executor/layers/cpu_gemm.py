@@ -42,7 +42,8 @@ def pack_model(model: nn.Module) -> None:
     """Give every `Linear` and `LMHead` of a loaded (and quantized) CPU model a packed weight.
 
     A linear's dense weight is released: after loading nothing reads it. The LM head's dense
-    weight stays, since it is the embedding when tied and the quantized head's reference.
+    weight stays, since it is the embedding when tied and the quantized head's reference; a
+    quantized head needs no packed float copy.
     """
     from pagedllm.model_executor.layers.linear import Linear
     from pagedllm.model_executor.layers.vocab_embedding import LMHead
@@ -53,7 +54,7 @@ def pack_model(model: nn.Module) -> None:
             module.packed = pack_weight(module.weight)
             nbytes += module.weight.numel() * module.weight.element_size()
             module.weight.data = module.weight.data.new_empty(0)
-        elif isinstance(module, LMHead):
+        elif isinstance(module, LMHead) and module.quant is None:
             weight = module.tied_to.weight if module.tied_to is not None else module.weight
             if can_pack(weight):
                 module.packed = pack_weight(weight)

@@ -27,7 +27,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
         self.tied_to = tied_to
-        self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py; runs few rows
+        self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py
         self.packed: torch.Tensor | None = None  # set by cpu_gemm.pack_model
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
@@ -37,7 +37,7 @@ class LMHead(nn.Module):
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         # Left in the model dtype: greedy argmax needs no float32 copy of [B, vocab]
         # (bf16 → fp32 is exact, so the sampler converts only when it must).
-        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+        if self.quant is not None:
             logits = self.quant(hidden, weight)
         elif self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)

@@ -1,5 +1,5 @@
-"""Weight-only int8 / int4: quantization error bounds, kernels against a float reference, and
-the row-count dispatch of `Linear` / `LMHead`."""
+"""Weight-only int8 / int4 and W8A8: quantization error bounds, kernels against a float
+reference, and the row-count dispatch of `Linear` / `LMHead`."""
 
 from __future__ import annotations
 
@@ -105,24 +105,70 @@ def test_int4_takes_the_largest_group_that_fits():
     assert qz.int4_group_size(40, 640) is None
 
 
+def _dynamic_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """W8A8 in float64: per-channel int8 weight, each row of x quantized with its bf16 scale."""
+    q, w_scale = qz.quantize_int8(w)
+    xf = x.float()
+    x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12).bfloat16().double()
+    xq = torch.round(xf.double() / x_scale)
+    return (xq @ q.double().t()) * x_scale * w_scale.double()[None]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_head_recomputes_its_top_k_exactly(dtype):
+def test_dynamic_int8_matches_its_float64_reference(dtype):
+    w = _weight(96, 64)
+    dyn = qz.DynamicInt8Quant(w)
+    x = (torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    out = dyn(x)
+    assert out.dtype == dtype and out.shape == (5, 96)
+    ref = _dynamic_reference(x, w)
+    # int32 accumulation is exact; what is left is the bf16 output and its rescaling.
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=8e-3)
+    rel = (out.double() - F.linear(x.double(), w.double())).norm() / ref.norm()
+    assert rel < 0.02  # and it stays close to the unquantized layer
+
+
+def test_dynamic_int8_rows_do_not_depend_on_their_batch():
+    dyn = qz.DynamicInt8Quant(_weight(256, 64))
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[5] *= 100  # an outlier row must not change the others' scales
+    batch = dyn(x)
+    for i in (0, 5, 69):
+        assert torch.equal(dyn(x[i : i + 1]), batch[i : i + 1])
+    assert torch.equal(dyn(x[:3]), batch[:3])
+
+
+def _tied_head(dtype):
     emb = VocabEmbedding(512, 64).to(dtype)
     with torch.no_grad():
         emb.weight.copy_(_weight(512, 64))
+    return emb, LMHead(512, 64, tied_to=emb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_head_recomputes_its_top_k_exactly(dtype):
+    emb, head = _tied_head(dtype)
     before = emb.weight.detach().clone()
-    head = LMHead(512, 64, tied_to=emb)
-    quant = qz.quantize_weight(emb.weight.data, "int4", max_rows=4, write_back=False)
-    head.quant = qz.QuantizedLMHead(quant, top_k=32)
+    few_rows = qz.quantize_weight(emb.weight.data, "int4", max_rows=4, write_back=False)
+    dynamic = qz.DynamicInt8Quant(emb.weight.data)
+    head.quant = qz.QuantizedLMHead(dynamic, few_rows, top_k=32)
     assert torch.equal(emb.weight, before)  # the embedding is not touched
 
     h = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    got, exact, approx = head(h[:3]), F.linear(h[:3], before), quant(h[:3])
-    assert got.dtype == dtype
-    top = approx.topk(32, dim=-1).indices
-    # The 32 best by the int4 ranking get the float head's values, the rest keep the int4 ones.
-    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top))
-    tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
-    assert torch.equal(got[tail], approx[tail])
-    assert (got.argmax(-1) == exact.argmax(-1)).all()
-    assert torch.equal(head(h), F.linear(h, before))  # above max_rows: the float head itself
+    for rows, ranking in ((h[:3], few_rows), (h, dynamic)):  # up to max_rows int4 ranks, above W8A8
+        got, exact, approx = head(rows), F.linear(rows, before), ranking(rows)
+        assert got.dtype == dtype
+        top = approx.topk(32, dim=-1).indices
+        # The 32 best by the quantized ranking get the float head's values, the rest keep theirs.
+        torch.testing.assert_close(got.gather(1, top), exact.gather(1, top))
+        tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+        assert torch.equal(got[tail], approx[tail])
+        assert (got.argmax(-1) == exact.argmax(-1)).all()
+
+
+def test_int8_head_is_w8a8_at_every_row_count():
+    emb, head = _tied_head(torch.bfloat16)
+    head.quant = qz.QuantizedLMHead(qz.DynamicInt8Quant(emb.weight.data), None, top_k=0)
+    h = torch.randn(9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch.equal(head(h), head.quant.dynamic(h))
+    assert torch.equal(head(h[:1]), head(h)[:1])

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from pagedllm.model_executor.layers.quantization import QuantizedLMHead, WeightOnlyQuant
+from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.quantization import DynamicInt8Quant, QuantizedLMHead, WeightOnlyQuant
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Hello, my name is"]
 
@@ -68,10 +69,14 @@ def test_quantized_engine_is_close_to_the_float_one(quant_llm, llm):
     from pagedllm import SamplingParams
 
     model = _model(quant_llm)
-    linears = [m for m in model.modules() if isinstance(m, WeightOnlyQuant)]
-    assert len(linears) == 3 * 4 + 1 and all(m.method == "int8" for m in linears[:-1])
-    assert isinstance(model.lm_head.quant, QuantizedLMHead)
-    assert model.lm_head.quant.quant.method == quant_llm.llm_engine.config.model_config.quantization
+    linears = [m.quant for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 3 * 4 and all(isinstance(m, WeightOnlyQuant) and m.method == "int8" for m in linears)
+    head = model.lm_head.quant
+    assert isinstance(head, QuantizedLMHead) and isinstance(head.dynamic, DynamicInt8Quant)
+    if quant_llm.llm_engine.config.model_config.quantization == "int4":
+        assert head.few_rows.method == "int4" and head.top_k > 0
+    else:
+        assert head.few_rows is None and head.top_k == 0
     # The tied head's embedding is the float model's, untouched.
     torch.testing.assert_close(model.model.embed_tokens.weight, _model(llm).model.embed_tokens.weight, rtol=0, atol=0)
 
