@@ -41,13 +41,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
         self.rotary_dim = emb.shape[-1]
+        # (positions, dtype, cos, sin) of the last call: every layer sharing this module gets
+        # the same positions tensor in a forward pass, so only the first one gathers.
+        self._last: tuple | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        last = self._last
+        # Holding `positions` keeps its identity from being reused by a later tensor.
+        # (The runner builds a new positions tensor for every pass and never writes into it.)
+        if last is None or last[0] is not positions or last[1] != q.dtype:
+            cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+            sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+            last = self._last = (positions, q.dtype, cos, sin)
+        cos, sin = last[2], last[3]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 
