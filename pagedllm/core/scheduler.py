@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.request_update import admissible_drafts, num_lookahead_slots, update_request_with_output
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.engine import EngineCoreOutput
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 
@@ -121,10 +123,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            lookahead = num_lookahead_slots(
+                self.num_lookahead_tokens, self.max_model_len, request.num_computed_tokens + num_new
+            )
             while True:
-                if self.kv_cache_manager.allocate_slots(
-                    request, num_new, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new)
-                ) is not None:
+                if self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is not None:
                     break
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:
@@ -164,9 +167,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(
-                request, num_new, computed_blocks, num_computed, self._lookahead(num_computed + num_new)
-            ) is None:
+            lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
                 break
             self.waiting.pop()
             if self.kv_cache_manager.enable_caching:
@@ -184,11 +186,6 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return self._build_output(num_scheduled, preempted)
-
-    def _lookahead(self, num_tokens_after_step: int) -> int:
-        """Slots for a draft model's proposals; none past max_model_len, where it never proposes
-        (so a KV cache that holds max_model_len tokens is always enough)."""
-        return min(self.num_lookahead_tokens, max(0, self.max_model_len - num_tokens_after_step))
 
     def _fail_grammar(self, request: Request) -> None:
         error = request.structured_output.error  # read before _free_request drops it
@@ -266,77 +263,18 @@ class Scheduler:
             if tokens is None:
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
                 continue  # a prefill chunk that did not reach the end of the prompt
-            num_drafts = num_spec.get(req_id, 0)
-            if num_drafts:
-                # The slots of rejected drafts are rewritten by later steps; the block hashes
-                # below only ever cover tokens that are now part of the sequence.
-                request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
-                self.spec_decoding_stats.observe(num_drafts, len(tokens) - 1)
-            first = request.num_output_tokens == 0
-            new_tokens, stopped = self._append_tokens(request, tokens)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             entries = logprobs[row] if logprobs is not None else None
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_tokens,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    new_logprobs=entries[: len(new_tokens)] if entries is not None else None,
-                    prompt_logprobs=request.prompt_logprobs if first else None,
-                )
+            output, stopped = update_request_with_output(
+                request, tokens, num_spec.get(req_id, 0), entries, self.max_model_len, self.spec_decoding_stats
             )
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            outputs.append(output)
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
             elif proposals is not None and proposals[row]:
-                request.spec_token_ids = self._admissible_drafts(request, proposals[row])
+                request.spec_token_ids = admissible_drafts(
+                    request, proposals[row], self.max_model_len, self.speculative_config,
+                    self.structured_output_manager,
+                )
         return outputs
-
-    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
-        """Append one by one; tokens after a stop are dropped."""
-        for i, token in enumerate(tokens):
-            request.append_output_token_ids(token)
-            stopped = self._check_stop(request, token)
-            so = request.structured_output
-            if so is not None and not stopped:
-                # A complete grammar ends the request (it would only allow stop tokens now).
-                if not so.matcher.accept_token(token) or so.matcher.is_terminated():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    stopped = True
-            if stopped:
-                return tokens[: i + 1], True
-        return tokens, False
-
-    def _admissible_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """No more drafts than the request may still produce tokens (max_tokens, max_model_len),
-        and with a grammar only the prefix it accepts.
-
-        Cutting at the first draft the grammar refuses is lossless only when the draft is certain
-        (n-gram, or a greedy request); a sampled draft from a draft model is left to the
-        verification, which rejects it and resamples from the residual distribution.
-        """
-        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        drafts = drafts[: max(room, 0)]
-        so = request.structured_output
-        certain = self.speculative_config.method == "ngram" or request.sampling_params.greedy
-        if so is not None and drafts and certain:
-            drafts = self.structured_output_manager.valid_prefix(so, drafts)
-        return drafts
-
-    def _check_stop(self, request: Request, token: int) -> bool:
-        """Length first (as vLLM): an EOS that is also the last allowed token is "length"."""
-        params = request.sampling_params
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        return False

@@ -1,0 +1,118 @@
+"""Applying one step's model output to a request: draft rollback, token append, stop checks,
+and which of the drafter's next proposals the request may take.
+
+Plain functions over a `Request`, apart from the `Scheduler`, which keeps the queues, the
+token budget, preemption and KV allocation and calls these from `update_from_output`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine import EngineCoreOutput
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.metrics import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+def num_lookahead_slots(num_lookahead_tokens: int, max_model_len: int, num_tokens_after_step: int) -> int:
+    """Slots for a draft model's proposals; none past max_model_len, where it never proposes
+    (so a KV cache that holds max_model_len tokens is always enough)."""
+    return min(num_lookahead_tokens, max(0, max_model_len - num_tokens_after_step))
+
+
+def rollback_rejected_drafts(
+    request: Request, num_drafts: int, num_accepted: int, stats: SpecDecodingStats
+) -> None:
+    """Take the rejected drafts back out of num_computed_tokens.
+
+    The slots of rejected drafts are rewritten by later steps; the block hashes cached after
+    this only ever cover tokens that are now part of the sequence.
+    """
+    request.num_computed_tokens -= num_drafts - num_accepted
+    stats.observe(num_drafts, num_accepted)
+
+
+def update_request_with_output(
+    request: Request,
+    tokens: list[int],
+    num_drafts: int,
+    logprobs: list | None,
+    max_model_len: int,
+    stats: SpecDecodingStats,
+) -> tuple[EngineCoreOutput, bool]:
+    """Roll back rejected drafts, append the sampled tokens (the accepted drafts and one more)
+    and say whether the request stopped, with the output the frontend gets for this step."""
+    if num_drafts:
+        rollback_rejected_drafts(request, num_drafts, len(tokens) - 1, stats)
+    first = request.num_output_tokens == 0
+    new_tokens, stopped = append_output_tokens(request, tokens, max_model_len)
+    output = EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_tokens,
+        finish_reason=request.get_finished_reason(),
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
+        prompt_logprobs=request.prompt_logprobs if first else None,
+    )
+    return output, stopped
+
+
+def append_output_tokens(request: Request, tokens: list[int], max_model_len: int) -> tuple[list[int], bool]:
+    """Append one by one; tokens after a stop are dropped."""
+    for i, token in enumerate(tokens):
+        request.append_output_token_ids(token)
+        stopped = check_stop(request, token, max_model_len)
+        so = request.structured_output
+        if so is not None and not stopped:
+            # A complete grammar ends the request (it would only allow stop tokens now).
+            if not so.matcher.accept_token(token) or so.matcher.is_terminated():
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+        if stopped:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def check_stop(request: Request, token: int, max_model_len: int) -> bool:
+    """Length first (as vLLM): an EOS that is also the last allowed token is "length"."""
+    params = request.sampling_params
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+    return False
+
+
+def admissible_drafts(
+    request: Request,
+    drafts: list[int],
+    max_model_len: int,
+    speculative_config: SpeculativeConfig,
+    structured_output_manager: StructuredOutputManager,
+) -> list[int]:
+    """No more drafts than the request may still produce tokens (max_tokens, max_model_len),
+    and with a grammar only the prefix it accepts.
+
+    Cutting at the first draft the grammar refuses is lossless only when the draft is certain
+    (n-gram, or a greedy request); a sampled draft from a draft model is left to the
+    verification, which rejects it and resamples from the residual distribution.
+    """
+    room = min(request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
+    drafts = drafts[: max(room, 0)]
+    so = request.structured_output
+    certain = speculative_config.method == "ngram" or request.sampling_params.greedy
+    if so is not None and drafts and certain:
+        drafts = structured_output_manager.valid_prefix(so, drafts)
+    return drafts
