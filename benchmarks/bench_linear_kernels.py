@@ -1,10 +1,12 @@
-"""Microbenchmark of the weight-only kernels against bf16 F.linear for Gemma 3 270M's shapes.
+"""Microbenchmark of the CPU linear kernels for Gemma 3 270M's shapes: bf16 F.linear, bf16 with
+the weight pre-packed for oneDNN (what every float linear runs), weight-only int8 / int4, and W8A8
+(per-row dynamic int8 activations, what the quantized LM head runs).
 
 Two views, since they disagree: one weight timed over and over (it stays in cache, which
 flatters small shapes), and a decode-like pass over 18 layers' worth of weights (streamed from
 memory, as in a real forward pass). Numbers in docs/performance.md.
 
-    python benchmarks/bench_quant_kernels.py [--rows 1,4,8,64]
+    python benchmarks/bench_linear_kernels.py [--rows 1,4,8,64]
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model_executor.layers.quantization import quantize_int4, quantize_int8
+from pagedllm.model_executor.layers.cpu_gemm import pack_weight, packed_linear
+from pagedllm.model_executor.layers.quantization import DynamicInt8Quant, quantize_int4, quantize_int8
 
 DECODER_SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)}
 LM_HEAD = (262144, 640)
@@ -47,7 +50,9 @@ def formats(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]
     q8, s8 = quantize_int8(w)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "bf16": partial(F.linear, weight=w.bfloat16()),
+        "bf16 packed": partial(packed_linear, packed=pack_weight(w.bfloat16()), bias=None),
         "int8": partial(_int8, q=q8, scale=s8),
+        "w8a8": DynamicInt8Quant(w),
     }
     for g in (32, 128):
         q4, sz = quantize_int4(w, g)
