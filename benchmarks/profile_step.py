@@ -1,0 +1,48 @@
+"""Where a decode step's time goes: torch.profiler over engine steps of the default model.
+
+    python benchmarks/profile_step.py --batch 64 [--quantization int8] [--steps 5]
+    python benchmarks/profile_step.py --batch 1 --quantization int4 --steps 20
+
+Random token-id prompts of 32 tokens, greedy, ignore_eos (the W1 / W2 workloads); the first
+10 steps (prefill and warm-up) are not profiled. Prints wall ms per step, then the ops by self
+CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from pagedllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=25, help="ops to print")
+    args = parser.parse_args()
+
+    engine = LLM(quantization=args.quantization).llm_engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=10 + 2 * args.steps + 10, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), {"prompt_token_ids": [rng.randint(100, 20000) for _ in range(32)]}, params)
+    for _ in range(10):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    print(f"wall: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step (batch {args.batch})")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
