@@ -99,19 +99,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if seg.context_len == 0:
             return self._causal(q, k, v)
-        total = seg.context_len + seg.query_len
-        block_size = k_cache.shape[1]
-        first = 0  # a sliding-window layer skips the blocks before its earliest query's window
-        if self.sliding_window is not None:
-            first = max(0, seg.context_len + 1 - self.sliding_window) // block_size * block_size
-        table = seg.block_table[first // block_size :]
-        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[: total - first]
-        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[: total - first]
-        q_pos = torch.arange(seg.context_len, total, device=q.device)[:, None]
-        k_pos = torch.arange(first, total, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
+        view = seg.views.get(self.sliding_window)
+        if view is None:
+            view = seg.views[self.sliding_window] = prefill_view(seg, self.sliding_window, k_cache.shape[1], q.device)
+        table, num_keys, mask = view
+        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         return self._sdpa(q, keys, values, mask=mask)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -166,3 +159,21 @@ def decode_view(
     if window is not None:
         mask &= pos[None, :] >= seq_lens - window
     return DecodeView(tables, 0, num_keys, ~mask[:, None, None, :])
+
+
+def prefill_view(
+    seg: PrefillSegment, window: int | None, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """What a prefill chunk with cached context reads under `window`: the block-table slice
+    from the block holding its earliest query's window start, the number of keys in it, and
+    the causal (and window) mask [query_len, keys]."""
+    total = seg.context_len + seg.query_len
+    first = 0
+    if window is not None:
+        first = max(0, seg.context_len + 1 - window) // block_size * block_size
+    q_pos = torch.arange(seg.context_len, total, device=device)[:, None]
+    k_pos = torch.arange(first, total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return seg.block_table[first // block_size :], total - first, mask

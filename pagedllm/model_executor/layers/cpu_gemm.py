@@ -9,12 +9,7 @@ linears and a 1.5x faster batch-1 LM head (numbers in docs/performance.md).
 
 from __future__ import annotations
 
-import logging
-
 import torch
-from torch import nn
-
-logger = logging.getLogger(__name__)
 
 # Rows the packing is tuned for; other row counts run the same packed weight.
 _BATCH_HINT = 64
@@ -35,29 +30,3 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@torch.no_grad()
-def pack_model(model: nn.Module) -> None:
-    """Give every `Linear` and `LMHead` of a loaded (and quantized) CPU model a packed weight.
-
-    A linear's dense weight is released: after loading nothing reads it. The LM head's dense
-    weight stays, since it is the embedding when tied and the quantized head's reference; a
-    quantized head needs no packed float copy.
-    """
-    from pagedllm.model_executor.layers.linear import Linear
-    from pagedllm.model_executor.layers.vocab_embedding import LMHead
-
-    nbytes = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and can_pack(module.weight):
-            module.packed = pack_weight(module.weight)
-            nbytes += module.weight.numel() * module.weight.element_size()
-            module.weight.data = module.weight.data.new_empty(0)
-        elif isinstance(module, LMHead) and module.quant is None:
-            weight = module.tied_to.weight if module.tied_to is not None else module.weight
-            if can_pack(weight):
-                module.packed = pack_weight(weight)
-                nbytes += weight.numel() * weight.element_size()
-    if nbytes:
-        logger.info("packed %.0f MB of linear weights for oneDNN", nbytes / 1e6)

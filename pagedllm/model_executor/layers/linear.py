@@ -26,7 +26,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
-        self.packed: torch.Tensor | None = None  # set by cpu_gemm.pack_model; replaces the weight
+        self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py; replaces the weight
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.weight.weight_loader = default_weight_loader
         if bias:

@@ -139,12 +139,11 @@ class DynamicInt8Quant(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # In slices, so the float32 temporaries of a big head stay small.
-        parts = [quantize_int8(weight[i : i + _CHUNK_ROWS]) for i in range(0, self.out_features, _CHUNK_ROWS)]
-        qweight, scale = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
-        del parts
-        self.nbytes = qweight.numel() + 4 * scale.numel()
-        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [_PACK_ROWS_HINT, self.in_features])
+        # The weight-only int8 format (quantized in slices), repacked for oneDNN.
+        int8 = quantize_weight(weight, "int8", max_rows=0, write_back=False)
+        self.nbytes = int8.qweight.numel() + 4 * int8.scales.numel()
+        self.packed = torch.ops.onednn.qlinear_prepack(int8.qweight, [_PACK_ROWS_HINT, self.in_features])
+        scale = int8.scales
         self.register_buffer("w_scales", scale.float())
         self.register_buffer("w_zero_points", torch.zeros(scale.numel(), dtype=torch.long))
 

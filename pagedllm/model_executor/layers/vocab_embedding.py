@@ -28,7 +28,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.tied_to = tied_to
         self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py
-        self.packed: torch.Tensor | None = None  # set by cpu_gemm.pack_model
+        self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
             self.weight.weight_loader = default_weight_loader

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.cpu_gemm import pack_model
+from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
 from pagedllm.model_executor.models.registry import resolve_model_cls
 
