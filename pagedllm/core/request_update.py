@@ -24,18 +24,6 @@ def num_lookahead_slots(num_lookahead_tokens: int, max_model_len: int, num_token
     return min(num_lookahead_tokens, max(0, max_model_len - num_tokens_after_step))
 
 
-def rollback_rejected_drafts(
-    request: Request, num_drafts: int, num_accepted: int, stats: SpecDecodingStats
-) -> None:
-    """Take the rejected drafts back out of num_computed_tokens.
-
-    The slots of rejected drafts are rewritten by later steps; the block hashes cached after
-    this only ever cover tokens that are now part of the sequence.
-    """
-    request.num_computed_tokens -= num_drafts - num_accepted
-    stats.observe(num_drafts, num_accepted)
-
-
 def update_request_with_output(
     request: Request,
     tokens: list[int],
@@ -47,7 +35,10 @@ def update_request_with_output(
     """Roll back rejected drafts, append the sampled tokens (the accepted drafts and one more)
     and say whether the request stopped, with the output the frontend gets for this step."""
     if num_drafts:
-        rollback_rejected_drafts(request, num_drafts, len(tokens) - 1, stats)
+        # Rejected drafts leave num_computed_tokens; later steps rewrite their slots, and the
+        # block hashes cached after this only cover tokens that are part of the sequence.
+        request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+        stats.observe(num_drafts, len(tokens) - 1)
     first = request.num_output_tokens == 0
     new_tokens, stopped = append_output_tokens(request, tokens, max_model_len)
     output = EngineCoreOutput(

@@ -252,7 +252,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
         proposals = runner_output.spec_token_ids
-        num_spec = {s.req_id: len(s.spec_token_ids) for s in scheduler_output.scheduled if s.spec_token_ids}
+        # The runner's rows are the scheduled requests, in order.
         for row, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -265,7 +265,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             entries = logprobs[row] if logprobs is not None else None
             output, stopped = update_request_with_output(
-                request, tokens, num_spec.get(req_id, 0), entries, self.max_model_len, self.spec_decoding_stats
+                request, tokens, len(scheduler_output.scheduled[row].spec_token_ids), entries, self.max_model_len,
+                self.spec_decoding_stats,
             )
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             outputs.append(output)

@@ -15,7 +15,7 @@ from pagedllm.core.sched_output import ScheduledRequest
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.rejection_sampler import target_probs
-from pagedllm.model_executor.layers.sampler import greedy_argmax
+from pagedllm.model_executor.layers.sampler import exponential_race, greedy_argmax
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
@@ -102,9 +102,9 @@ class DraftModelProposer:
         dev = logits.device
         q_rows = target_probs(logits[torch.tensor(sampled, device=dev)], md,
                               torch.tensor([live[n] for n in sampled], device=dev))
-        for q, n in zip(q_rows, sampled):
-            a = live[n]
-            e = torch.empty_like(q).exponential_(generator=md.generators.get(a, self.generator))
-            out[n] = int((q / e).argmax())
-            probs[a].append(q)
+        gens = {j: md.generators[live[n]] for j, n in enumerate(sampled) if live[n] in md.generators}
+        tokens = exponential_race(q_rows.clone(), gens, self.generator).tolist()
+        for q, n, tok in zip(q_rows, sampled, tokens):
+            out[n] = tok
+            probs[live[n]].append(q)
         return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -10,8 +10,6 @@ class SpecDecodingStats:
     num_drafts: int = 0  # verification steps of a request that had at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # accepted_per_pos[i]: how often the draft token at position i was accepted.
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
@@ -19,10 +17,6 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
-        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
-        for i in range(num_accepted_tokens):
-            self.num_accepted_tokens_per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

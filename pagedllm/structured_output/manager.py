@@ -72,39 +72,33 @@ class StructuredOutputManager:
         rows, row = {}, 0
         for req_id, so, drafts in requests:
             rows[req_id] = row
-            matcher = so.matcher
-            matcher.fill_next_token_bitmask(bitmask, row)
-            walked = 0
-            for token in drafts:
-                row += 1
-                if walked < row - rows[req_id] - 1 or matcher.is_terminated() or not matcher.accept_token(token):
-                    # The rows after a draft the grammar refuses stay all-allowed: the target, whose
-                    # row masks that draft out, rejects it for sure, and later drafts are never used.
-                    continue
-                walked += 1
-                if not matcher.is_terminated():
-                    matcher.fill_next_token_bitmask(bitmask, row)
-            if walked:
-                matcher.rollback(walked)
-            row += 1
+            so.matcher.fill_next_token_bitmask(bitmask, row)
+            # The rows after a draft the grammar refuses stay all-allowed: the target, whose row
+            # masks that draft out, rejects it for sure, and later drafts are never used.
+            _walk_drafts(so.matcher, drafts, bitmask, row)
+            row += 1 + len(drafts)
         return bitmask, rows
 
     @staticmethod
     def valid_prefix(so: StructuredOutputRequest, drafts: list[int]) -> list[int]:
         """The longest prefix of the drafts the grammar accepts (the matcher is left as it was)."""
-        matcher, n = so.matcher, 0
-        for token in drafts:
-            if matcher.is_terminated() or not matcher.accept_token(token):
-                break
-            n += 1
-        if n:
-            matcher.rollback(n)
-        return drafts[:n]
-
-    @staticmethod
-    def accept_token(so: StructuredOutputRequest, token: int) -> bool:
-        """Advance the matcher; False if the grammar rejects the token."""
-        return so.matcher.accept_token(token)
+        return drafts[: _walk_drafts(so.matcher, drafts)]
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _walk_drafts(matcher, drafts: list[int], bitmask: torch.Tensor | None = None, row: int = 0) -> int:
+    """How many leading drafts the grammar accepts. With `bitmask`, fills the row after each
+    accepted draft (rows row + 1, ...) with what the grammar allows next. The matcher is
+    rolled back to where it was."""
+    n = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        n += 1
+        if bitmask is not None and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, row + n)
+    if n:
+        matcher.rollback(n)
+    return n

@@ -128,10 +128,11 @@ class ModelRunner:
             logits_idx = np.concatenate([np.arange(cu_end[i] - n, cu_end[i]) for i, n in zip(sample_idx, num_rows)])
             rows = []
             for i, n in zip(sample_idx, num_rows):
-                r = reqs[i]
-                rows += [r] if n == 1 else [
-                    replace(r, output_token_ids=r.output_token_ids + r.spec_token_ids[:j]) for j in range(n)
-                ]
+                r, p = reqs[i], reqs[i].sampling_params
+                if p.needs_output_history or p.min_tokens or p.bad_words_token_ids:
+                    rows += [replace(r, output_token_ids=r.output_token_ids + r.spec_token_ids[:j]) for j in range(n)]
+                else:  # nothing reads the history: no copies of it per draft row
+                    rows += [r] * n
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
         md = self.sampling_metadata.build(rows)
         if sched.grammar_bitmask is not None:

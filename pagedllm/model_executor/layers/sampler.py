@@ -150,17 +150,27 @@ class Sampler:
     def _exponential_race(
         self, probs: torch.Tensor, generators: dict[int, torch.Generator], widths: list[int] | None = None
     ) -> torch.Tensor:
-        """argmax(p / E) with E ~ Exp(1) is a sample from p (the Gumbel-max trick in
-        another form); per-row generators make seeded rows batch-independent."""
-        q = torch.empty_like(probs)
-        if len(generators) < probs.shape[0]:
-            q.exponential_(generator=self.generator)
-        elif widths is not None:
-            q.fill_(1.0)  # past a row's width: never garbage (0 / 0 = NaN would win the argmax)
-        for row, gen in generators.items():
-            width = widths[row] if widths is not None else probs.shape[1]
-            q[row, :width].exponential_(generator=gen)
-        return greedy_argmax(probs.div_(q))
+        return exponential_race(probs, generators, self.generator, widths)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    default: torch.Generator | None,
+    widths: list[int] | None = None,
+) -> torch.Tensor:
+    """One draw per row of `probs` (overwritten): argmax(p / E) with E ~ Exp(1) is a sample
+    from p (the Gumbel-max trick in another form). Rows in `generators` use their own (seeded)
+    generator, which makes them batch-independent; the rest share `default`."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=default)
+    elif widths is not None:
+        q.fill_(1.0)  # past a row's width: never garbage (0 / 0 = NaN would win the argmax)
+    for row, gen in generators.items():
+        width = widths[row] if widths is not None else probs.shape[1]
+        q[row, :width].exponential_(generator=gen)
+    return greedy_argmax(probs.div_(q))
 
 
 _ARGMAX_CHUNK = 1024

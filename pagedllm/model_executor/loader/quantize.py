@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 # mode -> (format of the decoder linears, weight-only head copy for few rows, top-k recomputed)
 FORMATS = {"int8": ("int8", None, 0), "int4": ("int8", "int4", 256)}
-# Rows up to which a kernel beats bf16 F.linear on the target CPU, with weights streamed from
-# memory as in a real forward pass (the [262144, 640] head's bf16 GEMM is slow up to ~16 rows).
-MAX_ROWS = {("linear", "int8"): 4, ("linear", "int4"): 4, ("lm_head", "int4"): 8}
+# Rows up to which a weight-only kernel beats the alternative on the target CPU, with weights
+# streamed from memory as in a real forward pass: packed bf16 for the decoder linears, W8A8 for
+# the head (benchmarks/bench_linear_kernels.py).
+MAX_ROWS = {("linear", "int8"): 4, ("lm_head", "int4"): 8}
 
 
 @torch.no_grad()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, greedy_argmax
 
 
 def _md(n, temperature=1.0, top_k=None, top_p=None, greedy=None, generators=None):
@@ -68,3 +69,16 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     alone = draw(logits, 0)
     mixed = draw(torch.cat([torch.randn(3, 100), logits, torch.randn(2, 100)]), 3)
     assert alone == mixed
+
+
+@pytest.mark.parametrize("vocab", [100, 5000, 4096 + 7, 262144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_greedy_argmax_is_the_first_maximum(vocab, dtype):
+    x = torch.randn(7, vocab + 10, generator=torch.Generator().manual_seed(0)).to(dtype)[:, 3 : vocab + 3]
+    x[1] = 0  # all tied: index 0
+    x[2, -1] = 100  # in the short tail chunk
+    x[3, vocab // 2] = float("inf")
+    x[4] = float("-inf")
+    x[5, -3:] = 50  # a tie inside the tail
+    x[6, 5] = float("nan")  # NaN wins, as in max()
+    assert torch.equal(greedy_argmax(x), x.max(dim=-1).indices)
