@@ -1,8 +1,9 @@
 """Paged attention in plain torch: K/V live in fixed-size blocks, read through block tables.
 
 Every call first scatters the step's new K/V into their slots (slot_mapping), then
-- batches all one-token queries (decodes) into one padded SDPA call over their
-  blocks, masked by sequence length (and sliding window);
+- runs all one-token queries (decodes) in one call: on CPU pagedllm's C kernel, which reads
+  the blocks in place; elsewhere batched GEMMs over their gathered blocks, masked by
+  sequence length (and sliding window);
 - runs each multi-token query (prefill chunk) as its own SDPA call with a causal
   mask offset by the tokens already in its cache.
 Sliding-window layers read only the blocks that hold some query's window.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.forward_context import AttentionMetadata, DecodeView, PrefillSegment, get_attention_metadata
+from pagedllm.model_executor.layers import cpu_kernels
 
 
 class Attention(nn.Module):
@@ -64,6 +66,11 @@ class Attention(nn.Module):
         md: AttentionMetadata,
         block_size: int,
     ) -> torch.Tensor:
+        if self._use_kernel(q):
+            return cpu_kernels.paged_decode_attention(
+                q, k_cache, v_cache, md.decode_block_tables, torch.from_numpy(md.decode_seq_lens),
+                self.sliding_window, self.scale,
+            )
         view = md.decode_views.get(self.sliding_window)
         if view is None:
             view = md.decode_views[self.sliding_window] = decode_view(md, self.sliding_window, block_size, q.device)
@@ -87,6 +94,16 @@ class Attention(nn.Module):
         probs = scores.softmax(dim=-1).to(q.dtype).view(batch, group, num_keys)
         out = torch.bmm(probs, values.transpose(1, 2).reshape(batch, num_keys, self.head_dim))
         return out.view(num_seqs, self.num_heads, self.head_dim)
+
+    def _use_kernel(self, q: torch.Tensor) -> bool:
+        """pagedllm's C decode kernel: reads each sequence's keys in place through its block
+        table, once for all query heads sharing them, with no gather and no padding mask."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16)
+            and self.head_dim % 16 == 0
+            and cpu_kernels.kernels() is not None
+        )
 
     def _prefill(
         self,

@@ -1,8 +1,10 @@
-"""Weight-only int8 / int4 copies of weights, run by PyTorch's CPU kernels.
+"""Weight-only int8 / int4 copies of weights, for few-row (decode) GEMMs on CPU.
 
-`torch._weight_int8pack_mm` (per-output-channel symmetric int8) and
-`torch._weight_int4pack_mm_for_cpu` (group-wise asymmetric int4) stream 2-4x fewer bytes
-than a bf16 GEMV, which is what batch-1 decode is bound by. They are GEMV-shaped loops,
+Per-output-channel symmetric int8 and group-wise asymmetric int4 stream 2-4x fewer bytes
+than a bf16 GEMV, which is what batch-1 decode is bound by. pagedllm's C kernels
+(`cpu_kernels.py`; VNNI dot products on activations quantized to ~15 bits per row) run them
+near memory bandwidth; without those kernels, PyTorch's `torch._weight_int8pack_mm` and
+`torch._weight_int4pack_mm_for_cpu` do, ~2x slower. Both are GEMV-shaped loops,
 though: their cost grows linearly with the number of rows, and above a few rows bf16
 `F.linear` (a real GEMM) is faster. So a quantized layer keeps its float weight too and
 picks by row count (`max_rows`).
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers import cpu_kernels
+
 INT4_GROUP_SIZES = (128, 64, 32)  # the kernel takes 32, 64, 128 or 256; the largest that fits is fastest
 _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
 # Big weights (the LM head) are quantized in slices to bound temporaries; a multiple of the
@@ -28,6 +32,7 @@ _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
 _CHUNK_ROWS = 16384
 _KERNEL_DTYPE = torch.bfloat16
 _PACK_ROWS_HINT = 64  # rows oneDNN tunes its packed int8 layout for; any count runs
+_MAX_KERNEL_K = 65536  # the C kernels' int32 accumulators are sized for inputs up to this
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +77,18 @@ def int4_group_size(out_features: int, in_features: int) -> int | None:
 
 class WeightOnlyQuant(nn.Module):
     """The quantized form of one [out, in] weight and the kernel that multiplies by it.
-    The owning layer calls it for at most `max_rows` rows and runs its float weight above."""
+    The owning layer calls it for at most `max_rows` rows and runs its float weight above.
+
+    `layout`: "pagedllm" (int8 [N, K] with bf16 scales, or `cpu_kernels.pack_int4`'s int4)
+    runs the C kernels; "torch" is PyTorch's packing for its own int8/int4 kernels."""
 
     def __init__(
         self, method: str, qweight: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int,
-        max_rows: int,
+        max_rows: int, layout: str,
     ) -> None:
         super().__init__()
         self.method = method
+        self.layout = layout
         self.in_features = in_features
         self.out_features = qweight.shape[0]
         self.group_size = group_size
@@ -88,6 +97,10 @@ class WeightOnlyQuant(nn.Module):
         self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layout == "pagedllm" and x.dtype in (torch.float32, torch.bfloat16):
+            if self.method == "int8":
+                return cpu_kernels.w8a16_linear(x, self.qweight, self.scales, bias)
+            return cpu_kernels.w4a16_linear(x, self.qweight, self.scales, self.group_size, bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
         if self.method == "int8":
@@ -99,7 +112,10 @@ class WeightOnlyQuant(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"{self.method}, in={self.in_features}, out={self.out_features}{group}, max_rows={self.max_rows}"
+        return (
+            f"{self.method}, in={self.in_features}, out={self.out_features}{group}, max_rows={self.max_rows}, "
+            f"layout={self.layout}"
+        )
 
 
 def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back: bool = True) -> WeightOnlyQuant:
@@ -113,22 +129,25 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
         method, group = "int8", 0
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown quantization method {method!r}")
+    # pagedllm's int4 kernel takes 128-input blocks whole within a group.
+    ours = weight.device.type == "cpu" and cpu_kernels.kernels() is not None
+    ours = ours and (method == "int8" or group % 128 == 0) and k <= _MAX_KERNEL_K
     qs, scales = [], []
     for start in range(0, n, _CHUNK_ROWS):
         rows = weight[start : start + _CHUNK_ROWS]
         if method == "int8":
             q, s = quantize_int8(rows)
             deq = dequantize_int8(q, s) if write_back else None
-            qs.append(q)
         else:
             q, s = quantize_int4(rows, group)
             deq = dequantize_int4(q, s) if write_back else None
-            qs.append(torch._convert_weight_to_int4pack_for_cpu(q, 1))
+            q, s = cpu_kernels.pack_int4(q, s) if ours else (torch._convert_weight_to_int4pack_for_cpu(q, 1), s)
+        qs.append(q)
         scales.append(s)
         if deq is not None:
             rows.copy_(deq)
-    scales_t = torch.cat(scales, dim=0 if method == "int8" else 1).contiguous()
-    return WeightOnlyQuant(method, torch.cat(qs), scales_t, k, group, max_rows)
+    scales_t = torch.cat(scales, dim=1 if method == "int4" and not ours else 0).contiguous()
+    return WeightOnlyQuant(method, torch.cat(qs), scales_t, k, group, max_rows, "pagedllm" if ours else "torch")
 
 
 class DynamicInt8Quant(nn.Module):

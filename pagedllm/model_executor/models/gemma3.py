@@ -76,9 +76,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden))
-        hidden = hidden + self.post_attention_layernorm(attn)
+        hidden = self.post_attention_layernorm(attn, residual=hidden)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        return self.post_feedforward_layernorm(mlp, residual=hidden)
 
 
 class Gemma3Model(nn.Module):

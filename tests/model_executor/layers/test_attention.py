@@ -2,7 +2,8 @@
 
 Blocks are scattered at random over the cache, sequences have different lengths, and the
 batches mix decodes with prefill chunks that have cached context, so the block tables,
-the slot mapping and the sliding-window block skipping are all exercised.
+the slot mapping and the sliding-window block skipping are all exercised. Every test runs
+twice: decodes through pagedllm's C kernel, and through the torch path.
 """
 
 from __future__ import annotations
@@ -11,16 +12,31 @@ import pytest
 import torch
 
 from pagedllm.forward_context import set_forward_context
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.attention import Attention, decode_view
 from pagedllm.worker.step_inputs import prepare_inputs
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 SCALE = 0.3
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def decode_calls(request, monkeypatch):
+    """Runs the test on one decode path; yields the list of C kernel calls made."""
+    calls = []
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("pagedllm's CPU kernels cannot be built here")
+    else:
+        kernel = cpu_kernels.paged_decode_attention
+        monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    yield calls if request.param == "kernel" else None
 
 
 def _reference(q, keys, values, positions, window):
     """q: [Lq, H, D] at `positions`; keys/values: [L, Hk, D] of the whole sequence."""
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).double()
     v = values.repeat_interleave(group, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
@@ -33,18 +49,18 @@ def _reference(q, keys, values, positions, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0):
+def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
     """Sequences whose first seq_len - query_len tokens are cached; the rest are this step's."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, SCALE, window)
-    attn.kv_cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    attn = Attention(heads, head_dim, kv_heads, SCALE, window)
+    attn.kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head_dim, dtype=dtype)
     block_ids, seqs = [], []
     for n in seq_lens:
         ids = [perm.pop() for _ in range(-(-n // BLOCK))]
         block_ids.append(ids)
-        kv = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        kv = torch.randn(2, n, kv_heads, head_dim, generator=g).to(dtype)
         seqs.append(kv)
     starts = [n - ql for n, ql in zip(seq_lens, query_lens)]
     for ids, kv, start in zip(block_ids, seqs, starts):
@@ -52,7 +68,7 @@ def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0):
             attn.kv_cache[:, ids[pos // BLOCK], pos % BLOCK] = kv[:, pos]
     token_ids = [[0] * ql for ql in query_lens]
     inputs = prepare_inputs(token_ids, starts, block_ids, BLOCK, torch.device("cpu"))
-    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
     k = torch.cat([kv[0, s:] for kv, s in zip(seqs, starts)])
     v = torch.cat([kv[1, s:] for kv, s in zip(seqs, starts)])
     with set_forward_context(inputs.attn_metadata):
@@ -71,8 +87,17 @@ def _tol(dtype):
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_batch_of_different_lengths(window, dtype):
+def test_decode_batch_of_different_lengths(window, dtype, decode_calls):
     _run([3, 17, 9, 30], [1, 1, 1, 1], window, dtype)
+    assert decode_calls is None or len(decode_calls) == 1
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (16, 1, 32), (12, 4, 48)])
+def test_decode_head_layouts(heads, kv_heads, head_dim):
+    """Gemma 3's 4 query heads on one 256-wide kv head; groups wider than the kernel's
+    8-head chunk; several kv heads."""
+    _run([5, 21, 13], [1, 1, 1], 8, torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    _run([5, 21, 13], [1, 1, 1], None, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -82,8 +107,9 @@ def test_single_decode_reads_exactly_its_keys(window, seq_len):
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_mixed_batch_of_decodes_and_prefills_with_context(window):
+def test_mixed_batch_of_decodes_and_prefills_with_context(window, decode_calls):
     _run([12, 20, 5, 9, 14], [1, 7, 5, 1, 3], window)
+    assert decode_calls is None or len(decode_calls) == 1
 
 
 def test_sliding_window_reads_only_the_blocks_in_the_window():

@@ -7,9 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+
+
+@pytest.fixture(params=["pagedllm", "torch"])
+def layout(request, monkeypatch):
+    """Which kernels the weight-only formats are packed for: pagedllm's C ones or torch's."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("pagedllm's CPU kernels cannot be built here")
+    return request.param
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -38,16 +49,16 @@ def test_int4_roundtrip_within_half_a_step():
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 70])
-def test_kernel_matches_dequantized_reference(method, dtype, rows):
+def test_kernel_matches_dequantized_reference(method, dtype, rows, layout):
     w = _weight(64, 128)
     deq = w.clone()
     quant = qz.quantize_weight(deq, method, max_rows=4)  # `deq` now holds the dequantized weight
-    assert quant.method == method
+    assert (quant.method, quant.layout) == (method, layout)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(64)
     out = quant(x.to(dtype), bias.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, 64)
-    ref = F.linear(x.bfloat16().float(), deq, bias)  # the kernel sees bf16 activations
+    ref = F.linear(x.bfloat16().float(), deq, bias)  # torch's kernels see bf16 activations
     torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.02)
     # and the quantized layer stays close to the unquantized one
     exact = F.linear(x, w, bias)
@@ -70,7 +81,7 @@ def test_write_back_false_leaves_the_weight_alone():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_chunked_quantization_equals_whole(monkeypatch, method):
+def test_chunked_quantization_equals_whole(monkeypatch, method, layout):
     w = _weight(160, 64)  # 64-row slices and a 32-row tail
     whole_w = w.clone()
     whole = qz.quantize_weight(whole_w, method, 4)
@@ -81,15 +92,15 @@ def test_chunked_quantization_equals_whole(monkeypatch, method):
     assert torch.equal(whole_w, chunked_w)
 
 
-def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
+def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch, layout):
     lin = Linear(64, 32, bias=True)
     with torch.no_grad():
         lin.weight.copy_(_weight(32, 64))
         lin.bias.normal_()
         lin.quant = qz.quantize_weight(lin.weight.data, "int8", max_rows=4)
     calls = []
-    kernel = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or kernel(*a))
+    kernel = qz.WeightOnlyQuant.forward
+    monkeypatch.setattr(qz.WeightOnlyQuant, "forward", lambda *a: calls.append(1) or kernel(*a))
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     few = lin(x[:2])
     assert len(calls) == 1

@@ -1,0 +1,188 @@
+"""pagedllm's own CPU kernels (pagedllm/csrc/cpu_kernels.c): int8/int4 GEMV, paged decode
+attention and RMSNorm, for the small-batch decode steps where torch's ops run far below
+memory bandwidth or cost more in per-op overhead than in work (docs/performance.md).
+
+The C file is compiled on first use with the system's gcc for this CPU (`-march=native`,
+~2 s) into a cache directory keyed by the source, the compiler and the CPU, and loaded with
+ctypes, which drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, or
+with PAGEDLLM_CPU_KERNELS=0, `kernels()` is None and every caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_kernels.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "pl_w8a16_linear": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
+    "pl_w4a16_linear": [_P, _I, _L, _L, _P, _P, _L, _P, _L, _P, _I, _I],
+    "pl_paged_decode_attention": [_P, _L, _L, _L, _L, _P, _P, _L, _I, _P, _L, _P, _L, _F, _P, _I],
+    "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
+}
+_UNSET = object()
+_lib: ctypes.CDLL | None | object = _UNSET
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
+    )
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "gcc")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_id()]).encode())
+    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target, then rename: concurrent processes never load half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, check=True)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None where it cannot be used."""
+    global _lib
+    if _lib is _UNSET:
+        _lib = None
+        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "AMD64"):
+            try:
+                _lib = _build()
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                logger.info("CPU kernels unavailable, using torch ops: %s", detail.strip().splitlines()[-1:])
+    return _lib  # type: ignore[return-value]
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors: CPU, float32 or bfloat16 where float."""
+    if kernels() is None:
+        return False
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    if t.dtype == torch.bfloat16:
+        return 1
+    if t.dtype == torch.float32:
+        return 0
+    raise TypeError(f"CPU kernels take float32 or bfloat16, not {t.dtype}")
+
+
+def w8a16_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [.., K] @ (qweight [N, K] int8 * scales [N] bf16)^T: activations as int16 per row."""
+    k, n = qweight.shape[1], qweight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    kernels().pl_w8a16_linear(
+        x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
+        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), _is_bf16(y), torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def w4a16_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [.., K] @ int4 weight (`pack_int4`'s layout and scales)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    kernels().pl_w4a16_linear(
+        x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size,
+        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), _is_bf16(y), torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int4`'s output ([N, K] values in 0..15; [K/g, N, 2] bf16 scale and zero, for
+    w = (q - 8) * scale + zero) in the kernel's layout: [N, K/2] uint8 where, per 128 inputs,
+    byte i holds input i in its low nibble and input 64 + i in its high one; and [N, K/g, 2]
+    float32 (scale, zero - 8 * scale)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // 128, 2, 64)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    sz = scales_and_zeros.float().transpose(0, 1)
+    return packed, torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], dim=-1).contiguous()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """q [S, Hq, D] (one token per sequence) against caches [blocks, block_size, Hk, D]."""
+    num_seqs, hq, d = q.shape
+    hk, block_size = k_cache.shape[2], k_cache.shape[1]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    kernels().pl_paged_decode_attention(
+        q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), window or 0, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim with a float32 `weight` (1 + w for Gemma, w otherwise);
+    with `residual`, returns residual + the norm."""
+    cols = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x = x.reshape(-1, cols)
+        inner, stride_outer, stride_inner = 1, x.stride(0), 0
+    rows = x.numel() // cols
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is not None:
+        residual = residual.contiguous()
+    kernels().pl_rms_norm(
+        x.data_ptr(), rows, cols, inner, stride_outer, stride_inner, _is_bf16(x), weight.data_ptr(), eps, int(gemma),
+        residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,89 @@
+"""pagedllm's C kernels against float64 references: int8 / int4 weight-only GEMMs (odd
+shapes, bias, both float dtypes) and their row independence. Attention and RMSNorm are
+tested through their layers (test_attention.py, test_layernorm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers import quantization as qz
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="pagedllm's CPU kernels cannot be built here")
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _check(out, ref, dtype):
+    """Activations run at ~15 bits: float32 output is within 1e-4 of the float64 result;
+    bf16 output within its own rounding."""
+    rel = (out.double() - ref).abs().max() / ref.abs().max()
+    assert rel < (1e-4 if dtype == torch.float32 else 8e-3), rel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(37, 100), (64, 640), (6, 33), (130, 4100)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_w8a16_linear(n, k, rows, dtype):
+    q, scale = qz.quantize_int8(_rand(n, k, scale=0.05))
+    w = qz.dequantize_int8(q, scale).double()
+    x, bias = _rand(rows, k, seed=1).to(dtype), _rand(n, seed=2).to(dtype)
+    out = cpu_kernels.w8a16_linear(x, q, scale, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    _check(out, x.double() @ w.T + bias.double(), dtype)
+    _check(cpu_kernels.w8a16_linear(x, q, scale, None), x.double() @ w.T, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, group", [(48, 640, 128), (5, 256, 256), (33, 1024, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_w4a16_linear(n, k, group, rows, dtype):
+    q, sz = qz.quantize_int4(_rand(n, k, scale=0.05), group)
+    w = qz.dequantize_int4(q, sz).double()
+    packed, scales = cpu_kernels.pack_int4(q, sz)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    x, bias = _rand(rows, k, seed=1).to(dtype), _rand(n, seed=2).to(dtype)
+    out = cpu_kernels.w4a16_linear(x, packed, scales, group, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    _check(out, x.double() @ w.T + bias.double(), dtype)
+
+
+def test_extreme_activations():
+    """Rows of zeros, one huge outlier, and values at the int16 split boundaries."""
+    q, scale = qz.quantize_int8(_rand(16, 256, scale=0.05))
+    q4, sz = qz.quantize_int4(_rand(16, 256, scale=0.05), 128)
+    packed, scales = cpu_kernels.pack_int4(q4, sz)
+    x = _rand(4, 256, seed=3)
+    x[0] = 0
+    x[1, 7] = 1e4
+    x[2] = torch.linspace(-1, 1, 256)
+    x[3] = -x[3].abs()
+    out8 = cpu_kernels.w8a16_linear(x, q, scale, None)
+    out4 = cpu_kernels.w4a16_linear(x, packed, scales, 128, None)
+    assert (out8[0] == 0).all() and (out4[0] == 0).all()
+    for out, w in ((out8, qz.dequantize_int8(q, scale)), (out4, qz.dequantize_int4(q4, sz))):
+        ref = x.double() @ w.double().T
+        for i in (2, 3):
+            _check(out[i], ref[i], torch.float32)
+        # The outlier sets row 1's step (1e4 / 32767): its other inputs keep ~2 digits. The
+        # bound: half a step per input, times the weights' magnitudes.
+        bound = (w.double().abs().sum(1) * 1e4 / 32767 / 2).max()
+        assert (out[1].double() - ref[1]).abs().max() <= bound
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_rows_do_not_depend_on_their_batch(method):
+    """Each activation row is quantized alone and accumulated alone: bit-identical results
+    whatever else is in the call."""
+    w = _rand(96, 256, scale=0.05)
+    quant = qz.quantize_weight(w, method, max_rows=8, write_back=False)
+    assert quant.layout == "pagedllm"
+    x = _rand(7, 256, seed=4).bfloat16()
+    x[3] *= 50
+    batch = quant(x)
+    for i in range(7):
+        assert torch.equal(quant(x[i : i + 1]), batch[i : i + 1])
+    assert torch.equal(quant(x[2:6]), batch[2:6])
