@@ -101,7 +101,7 @@ class Attention(nn.Module):
         return (
             q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16)
-            and self.head_dim % 16 == 0
+            and self.head_dim % 32 == 0
             and cpu_kernels.kernels() is not None
         )
 

@@ -16,7 +16,7 @@ from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.attention import Attention, decode_view
 from pagedllm.worker.step_inputs import prepare_inputs
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 4
 SCALE = 0.3
 
 
@@ -92,7 +92,7 @@ def test_decode_batch_of_different_lengths(window, dtype, decode_calls):
     assert decode_calls is None or len(decode_calls) == 1
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (16, 1, 32), (12, 4, 48)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (16, 1, 32), (12, 4, 64), (6, 2, 32)])
 def test_decode_head_layouts(heads, kv_heads, head_dim):
     """Gemma 3's 4 query heads on one 256-wide kv head; groups wider than the kernel's
     8-head chunk; several kv heads."""
