@@ -408,3 +408,66 @@ void pl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t inner, int64
         }
     }
 }
+
+/* ---------- top-k indices per row (any order) ----------
+ * A k-entry min-heap per row; the scan compares 16 values at a time against the heap's
+ * minimum, so only the rare values that beat it cost more than a compare. Among equal
+ * values the earlier index is kept. NaN is never selected. */
+
+INLINE void heap_sift_down(float *val, int64_t *idx, int64_t k, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < k && (val[l] < val[m] || (val[l] == val[m] && idx[l] > idx[m]))) m = l;
+        if (r < k && (val[r] < val[m] || (val[r] == val[m] && idx[r] > idx[m]))) m = r;
+        if (m == i) return;
+        float tv = val[i]; val[i] = val[m]; val[m] = tv;
+        int64_t ti = idx[i]; idx[i] = idx[m]; idx[m] = ti;
+        i = m;
+    }
+}
+
+void pl_topk_indices(const void *x, int bf16, int64_t rows, int64_t n, int64_t k, int64_t *out, int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *row = bf16 ? (const void *)((const uint16_t *)x + r * n) : (const void *)((const float *)x + r * n);
+        float *val = malloc((size_t)k * sizeof(float));
+        int64_t *idx = out + r * k;
+        for (int64_t i = 0; i < k; i++) {
+            float v = load1(row, bf16, i);
+            val[i] = v != v ? -INFINITY : v, idx[i] = i;
+        }
+        for (int64_t i = k / 2 - 1; i >= 0; i--) heap_sift_down(val, idx, k, i);
+        for (int64_t i = k; i < n; i += 16) {
+            __mmask16 m = _mm512_mask_cmp_ps_mask(tail16(n - i), load16(row, bf16, i, tail16(n - i)),
+                                                  _mm512_set1_ps(val[0]), _CMP_GT_OQ);
+            while (m) {
+                int j = __builtin_ctz(m);
+                m &= m - 1;
+                float v = load1(row, bf16, i + j);
+                if (v > val[0]) {  /* the minimum may have risen within this vector */
+                    val[0] = v, idx[0] = i + j;
+                    heap_sift_down(val, idx, k, 0);
+                }
+            }
+        }
+        free(val);
+    }
+}
+
+/* ---------- re-scoring chosen logits ----------
+ * logits[r, idx[r, j]] = hidden[r] . weight[idx[r, j]] for j < k, in float32: the exact
+ * values of a quantized head's candidates, without gathering [rows, k, hidden] weights. */
+
+void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim, const void *weight, int w_bf16,
+                       const int64_t *idx, int64_t k, void *logits, int l_bf16, int64_t vocab, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t rj = 0; rj < rows * k; rj++) {
+        int64_t r = rj / k, id = idx[rj];
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 16) {
+            __mmask16 m = tail16(dim - c);
+            acc = _mm512_fmadd_ps(load16(hidden, h_bf16, r * dim + c, m), load16(weight, w_bf16, id * dim + c, m), acc);
+        }
+        store1(logits, l_bf16, r * vocab + id, _mm512_reduce_add_ps(acc));
+    }
+}

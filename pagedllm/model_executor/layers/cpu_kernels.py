@@ -31,6 +31,8 @@ _SIGNATURES = {
     "pl_w4a16_linear": [_P, _I, _L, _L, _P, _P, _L, _P, _L, _P, _I, _I],
     "pl_paged_decode_attention": [_P, _L, _L, _L, _L, _P, _P, _L, _I, _P, _L, _P, _L, _F, _P, _I],
     "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
+    "pl_topk_indices": [_P, _I, _L, _L, _L, _P, _I],
+    "pl_rescore_logits": [_P, _I, _L, _L, _P, _I, _P, _L, _P, _I, _L, _I],
 }
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
@@ -186,3 +188,24 @@ def rms_norm(
         residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
     )
     return out
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values, in no particular order ([rows, k] int64);
+    torch.topk sorts a partial selection, 20-40x slower on [64, 262144] logits."""
+    x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty(rows, k, dtype=torch.int64)
+    kernels().pl_topk_indices(x.data_ptr(), _is_bf16(x), rows, n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rescore_logits(logits: torch.Tensor, idx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """In place: logits[r, idx[r]] = hidden[r] @ weight[idx[r]].T, in float32."""
+    hidden, idx = hidden.contiguous(), idx.contiguous()
+    rows, dim = hidden.shape
+    assert logits.is_contiguous() and weight.is_contiguous() and idx.dtype == torch.int64
+    kernels().pl_rescore_logits(
+        hidden.data_ptr(), _is_bf16(hidden), rows, dim, weight.data_ptr(), _is_bf16(weight), idx.data_ptr(),
+        idx.shape[1], logits.data_ptr(), _is_bf16(logits), logits.shape[1], torch.get_num_threads(),
+    )

@@ -180,6 +180,18 @@ class DynamicInt8Quant(nn.Module):
         return out.mul_(scale).to(x.dtype)
 
 
+def _kernels_take(*tensors: torch.Tensor) -> bool:
+    floats = (torch.float32, torch.bfloat16)
+    return all(t.device.type == "cpu" and t.dtype in floats for t in tensors) and cpu_kernels.kernels() is not None
+
+
+def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k best indices, in any order (ties: any valid choice)."""
+    if _kernels_take(logits):
+        return cpu_kernels.topk_indices(logits, k)
+    return logits.topk(k, dim=-1).indices
+
+
 class QuantizedLMHead(nn.Module):
     """Logits from quantized copies of the head, optionally with each row's `top_k` recomputed.
 
@@ -203,7 +215,10 @@ class QuantizedLMHead(nn.Module):
         else:
             logits = self.dynamic(hidden)
         if self.top_k:
-            idx = logits.topk(self.top_k, dim=-1).indices
-            exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)
-            logits.scatter_(1, idx, exact.to(logits.dtype))
+            idx = top_k_indices(logits, self.top_k)
+            if _kernels_take(logits, hidden, weight) and weight.is_contiguous():
+                cpu_kernels.rescore_logits(logits, idx, hidden, weight)
+            else:
+                exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)
+                logits.scatter_(1, idx, exact.to(logits.dtype))
         return logits

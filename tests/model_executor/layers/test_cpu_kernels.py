@@ -87,3 +87,16 @@ def test_rows_do_not_depend_on_their_batch(method):
     for i in range(7):
         assert torch.equal(quant(x[i : i + 1]), batch[i : i + 1])
     assert torch.equal(quant(x[2:6]), batch[2:6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(262144, 256), (1000, 1), (1000, 999), (37, 37), (300, 20)])
+def test_topk_indices(n, k, dtype):
+    x = (_rand(5, n, seed=5) * 3).to(dtype)
+    x[1, :] = 1.0  # all tied
+    x[2, -k:] = 100.0  # the best at the very end
+    idx = cpu_kernels.topk_indices(x, k)
+    assert idx.shape == (5, k)
+    for row, ids in zip(x.float(), idx):
+        assert len(set(ids.tolist())) == k
+        assert torch.equal(row[ids].sort(descending=True).values, row.topk(k).values)
