@@ -96,26 +96,35 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
+_BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}
+
+
 def _is_bf16(t: torch.Tensor) -> int:
-    if t.dtype == torch.bfloat16:
-        return 1
-    if t.dtype == torch.float32:
-        return 0
-    raise TypeError(f"CPU kernels take float32 or bfloat16, not {t.dtype}")
+    try:
+        return _BF16_FLAG[t.dtype]
+    except KeyError:
+        raise TypeError(f"CPU kernels take float32 or bfloat16, not {t.dtype}") from None
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as contiguous [rows, k], without a call when it already is (this is per-call overhead
+    on a ~10 us kernel)."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
 
 
 def w8a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [.., K] @ (qweight [N, K] int8 * scales [N] bf16)^T: activations as int16 per row."""
-    k, n = qweight.shape[1], qweight.shape[0]
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    n, k = qweight.shape
+    x2 = _rows(x, k)
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    flag = _is_bf16(x2)
     kernels().pl_w8a16_linear(
-        x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
-        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), _is_bf16(y), torch.get_num_threads(),
+        x2.data_ptr(), flag, x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
+        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
     )
-    return y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def w4a16_linear(
@@ -123,13 +132,14 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """x [.., K] @ int4 weight (`pack_int4`'s layout and scales)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    x2 = _rows(x, k)
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    flag = _is_bf16(x2)
     kernels().pl_w4a16_linear(
-        x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size,
-        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), _is_bf16(y), torch.get_num_threads(),
+        x2.data_ptr(), flag, x2.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size,
+        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
     )
-    return y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,15 +187,14 @@ def rms_norm(
     if x.dim() == 3:
         inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
     else:
-        x = x.reshape(-1, cols)
+        x = x if x.dim() == 2 else x.reshape(-1, cols)
         inner, stride_outer, stride_inner = 1, x.stride(0), 0
-    rows = x.numel() // cols
     out = torch.empty(x.shape, dtype=x.dtype)
-    if residual is not None:
+    if residual is not None and not residual.is_contiguous():
         residual = residual.contiguous()
     kernels().pl_rms_norm(
-        x.data_ptr(), rows, cols, inner, stride_outer, stride_inner, _is_bf16(x), weight.data_ptr(), eps, int(gemma),
-        residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
+        x.data_ptr(), out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x), weight.data_ptr(),
+        eps, gemma, residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
     )
     return out
 
