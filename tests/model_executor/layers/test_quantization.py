@@ -162,21 +162,23 @@ def test_quantized_head_recomputes_its_top_k_exactly(dtype, layout, monkeypatch)
     before = emb.weight.detach().clone()
     few_rows = qz.quantize_weight(emb.weight.data, "int4", max_rows=4, write_back=False)
     dynamic = qz.DynamicInt8Quant(emb.weight.data)
-    head.quant = qz.QuantizedLMHead(dynamic, few_rows, top_k=32)
+    head.quant = qz.QuantizedLMHead(dynamic, few_rows, top_k=40)
+    monkeypatch.setattr(qz, "DYNAMIC_TOP_K", 24)
     assert torch.equal(emb.weight, before)  # the embedding is not touched
     picked = []
     select = qz.top_k_indices
     monkeypatch.setattr(qz, "top_k_indices", lambda *a: picked.append(select(*a)) or picked[-1])
 
     h = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    for rows, ranking in ((h[:3], few_rows), (h, dynamic)):  # up to max_rows int4 ranks, above W8A8
+    # up to max_rows int4 ranks and its top 40 are re-scored; above, W8A8 ranks and its top 24
+    for rows, ranking, k in ((h[:3], few_rows, 40), (h, dynamic, 24)):
         got, exact, approx = head(rows), F.linear(rows, before), ranking(rows)
         assert got.dtype == dtype
         top = picked[-1]
-        assert top.shape == (rows.shape[0], 32)
-        # a valid top 32 of the quantized ranking (any order, ties either way) ...
+        assert top.shape == (rows.shape[0], k)
+        # a valid top k of the quantized ranking (any order, ties either way) ...
         chosen = torch.zeros_like(got, dtype=torch.bool).scatter_(1, top, True)
-        assert (chosen.sum(-1) == 32).all()
+        assert (chosen.sum(-1) == k).all()
         worst_in = approx.float().masked_fill(~chosen, float("inf")).amin(-1)
         best_out = approx.float().masked_fill(chosen, float("-inf")).amax(-1)
         assert (worst_in >= best_out).all()
