@@ -41,7 +41,7 @@ class ModelConfig:
     seed: int
     tokenizer: str
     trust_remote_code: bool = False
-    quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading
+    quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading; None: off
 
     @property
     def architecture(self) -> str:
@@ -121,16 +121,32 @@ def cpu_has_native_bf16() -> bool:
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
+# What a GGUF checkpoint with quantized tensors runs as on CPU when --quantization is not given.
+GGUF_CPU_QUANTIZATION = "int4"
 
 
 def _check_quantization(method: str | None, device: torch.device) -> None:
-    if method is None:
+    if method is None or method == "none":
         return
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None, 'int8' or 'int4'; got {method!r}")
+        raise ValueError(f"quantization must be None, 'none', 'int8' or 'int4'; got {method!r}")
     if device.type != "cpu":
         # The kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
         raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
+
+
+def resolve_quantization(method: str | None, model_path: str, device: torch.device) -> str | None:
+    """The method a model runs with: as given; "none" for none; and when not given, a GGUF
+    checkpoint with quantized tensors runs quantized on CPU (as vLLM runs GGUF files with its
+    GGUF kernels) instead of dequantized to the float dtype."""
+    from pagedllm.model_executor.loader.gguf_loader import gguf_is_quantized
+
+    if method == "none":
+        return None
+    if method is None and device.type == "cpu" and gguf_is_quantized(model_path):
+        return GGUF_CPU_QUANTIZATION
+    return method
 
 
 def build_model_config(
@@ -165,7 +181,7 @@ def build_model_config(
         seed=seed,
         tokenizer=tokenizer or model_path,
         trust_remote_code=trust_remote_code,
-        quantization=quantization,
+        quantization=resolve_quantization(quantization, model_path, device),
     )
 
 

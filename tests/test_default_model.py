@@ -20,7 +20,7 @@ MAX_TOKENS = 24
 def default_llm():
     from pagedllm import LLM
 
-    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20)
+    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20, quantization="none")
 
 
 def test_default_model_greedy_matches_transformers(default_llm):
@@ -74,7 +74,9 @@ def test_default_model_greedy_identical_with_speculation(default_llm, tmp_path):
     draft = make_truncated_draft(None, str(tmp_path / "draft"), 15, keep_last=3)
     for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
                  {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}):
-        llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20, speculative_config=spec)
+        llm = LLM(
+            dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20, speculative_config=spec, quantization="none"
+        )
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
         assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] > 0
         del llm

@@ -74,7 +74,7 @@ def parse_speculative_config(
     if not spec.get("model"):
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
     draft = build_model_config(spec["model"], None, target.dtype, device, target.max_model_len,
-                               target.seed, target.trust_remote_code, target.quantization)
+                               target.seed, target.trust_remote_code, target.quantization or "none")
     if draft.text_config.vocab_size != target.text_config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft.text_config.vocab_size}) differs from the target's "

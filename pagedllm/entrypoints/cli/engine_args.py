@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.config import QUANTIZATION_METHODS, EngineArgs
+from pagedllm.config import QUANTIZATION_CHOICES, EngineArgs
 
 
 def _bytes(value: str) -> int:
@@ -44,8 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                        help="weight-only quantized linears and LM head (CPU); default: the model's dtype")
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                        help="weight-only quantized linears and LM head (CPU). Default: int4 for a GGUF file "
+                             "with quantized tensors on CPU, else none (the model's dtype)")
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')

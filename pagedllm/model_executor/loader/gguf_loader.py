@@ -56,6 +56,7 @@ _IGNORED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 _DONE = "done"
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _cache_root(cache_dir: str | None) -> Path:
@@ -63,9 +64,13 @@ def _cache_root(cache_dir: str | None) -> Path:
     return Path(root).expanduser() / "gguf"
 
 
+# Bumped when the conversion's output changes, so older cache entries are redone once.
+_CONVERSION_VERSION = 2  # 2: gguf_source.json lists the GGUF's tensor types
+
+
 def _cache_key(path: str) -> str:
     st = os.stat(path)  # FileNotFoundError for a missing file, on purpose
-    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -96,6 +101,16 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+def gguf_is_quantized(model_path: str) -> bool:
+    """Whether `model_path` is a GGUF conversion whose source stored quantized tensors
+    (Q4_K, Q8_0, ...), not only float ones."""
+    meta = Path(model_path) / "gguf_source.json"
+    if not meta.is_file():
+        return False
+    types = json.loads(meta.read_text()).get("tensor_types", [])
+    return any(t not in _FLOAT_TYPES for t in types)
 
 
 def _make_readable(directory: Path) -> None:
@@ -155,7 +170,8 @@ def _convert_into(src: str, out: Path) -> None:
     del tokenizer  # a 262k vocab is a few hundred MB; free it before dequantizing
     _write_weights(reader, arch, config, out / "model.safetensors")
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    meta = {"source": src, "architecture": arch, "add_bos_token": add_bos}
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    meta = {"source": src, "architecture": arch, "add_bos_token": add_bos, "tensor_types": types}
     (out / "gguf_source.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 

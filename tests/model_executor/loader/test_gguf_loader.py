@@ -13,7 +13,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pagedllm.model_executor.loader.gguf_loader import convert_gguf  # noqa: E402
+from pagedllm.config import GGUF_CPU_QUANTIZATION, resolve_quantization  # noqa: E402
+from pagedllm.model_executor.loader.gguf_loader import convert_gguf, gguf_is_quantized  # noqa: E402
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -137,7 +138,15 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
         len(expected["model.embed_tokens.weight"]) - 1,
     )
     source = json.loads((Path(out) / "gguf_source.json").read_text())
+    assert "Q8_0" in source.pop("tensor_types")
     assert source == {"source": str(src), "architecture": arch, "add_bos_token": True}
+    # A GGUF with quantized tensors runs quantized on CPU unless told otherwise.
+    assert gguf_is_quantized(out)
+    cpu = torch.device("cpu")
+    assert resolve_quantization(None, out, cpu) == GGUF_CPU_QUANTIZATION
+    assert resolve_quantization(None, out, torch.device("cuda")) is None
+    assert resolve_quantization("none", out, cpu) is None
+    assert resolve_quantization("int8", out, cpu) == "int8"
 
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -35,7 +35,7 @@ def _prompt_logprobs(llm, prompts: list[str]) -> list[list[float]]:
 def test_unknown_method_is_a_value_error(tiny_gemma3):
     from pagedllm.config import EngineArgs
 
-    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'none', 'int8' or 'int4'"):
         EngineArgs(model=tiny_gemma3, quantization="int3").create_engine_config()
 
 
@@ -47,6 +47,14 @@ def test_quantization_is_cpu_only():
         _check_quantization("int8", torch.device("cuda"))
 
 
+def test_a_float_checkpoint_is_not_quantized_by_default(tiny_gemma3):
+    from pagedllm.config import EngineArgs
+
+    assert EngineArgs(model=tiny_gemma3).create_engine_config().model_config.quantization is None
+    config = EngineArgs(model=tiny_gemma3, quantization="none").create_engine_config()
+    assert config.model_config.quantization is None
+
+
 def test_cli_flag_reaches_engine_args():
     from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
@@ -54,6 +62,7 @@ def test_cli_flag_reaches_engine_args():
     add_engine_args(parser)
     assert engine_args_from_namespace(parser.parse_args([])).quantization is None
     assert engine_args_from_namespace(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    assert engine_args_from_namespace(parser.parse_args(["--quantization", "none"])).quantization == "none"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "fp8"])
 
