@@ -1,6 +1,7 @@
 """Microbenchmark of the CPU linear kernels for Gemma 3 270M's shapes: bf16 F.linear, bf16 with
-the weight pre-packed for oneDNN (what every float linear runs), weight-only int8 / int4, and W8A8
-(per-row dynamic int8 activations, what the quantized LM head runs).
+the weight pre-packed for oneDNN (what every float linear runs), weight-only int8 / int4 through
+torch's kernels and through pagedllm's (csrc/cpu_kernels.c, "pl int8" / "pl int4"), and W8A8
+(per-row dynamic int8 activations, what the quantized LM head runs above 8 rows).
 
 Two views, since they disagree: one weight timed over and over (it stays in cache, which
 flatters small shapes), and a decode-like pass over 18 layers' worth of weights (streamed from
@@ -19,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import pack_weight, packed_linear
 from pagedllm.model_executor.layers.quantization import DynamicInt8Quant, quantize_int4, quantize_int8
 
@@ -58,6 +60,11 @@ def formats(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]
         q4, sz = quantize_int4(w, g)
         p4 = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
         fns[f"int4 g{g}"] = partial(_int4, packed=p4, group=g, scales_and_zeros=sz)
+    if cpu_kernels.kernels() is not None:
+        fns["pl int8"] = partial(cpu_kernels.w8a16_linear, qweight=q8, scales=s8, bias=None)
+        q4, sz = quantize_int4(w, 128)
+        p4, s4 = cpu_kernels.pack_int4(q4, sz)
+        fns["pl int4 g128"] = partial(cpu_kernels.w4a16_linear, packed=p4, scales_zeros=s4, group_size=128, bias=None)
     return fns
 
 

@@ -2,12 +2,13 @@
 # The workloads for each mode, alternating, with start-up time and peak RSS:
 #   W1 = pagedllm bench throughput --num-prompts 64 --input-len 32 --output-len 128
 #   W2 = pagedllm bench latency --input-len 32 --output-len 128 --batch-size 1
-# Usage: benchmarks/bench_targets.sh [rounds] [modes...]   (modes: bf16 int8 int4; default all)
+# Usage: benchmarks/bench_targets.sh [rounds] [modes...]   (modes: default bf16 int8 int4; default all)
+# "default" passes no --quantization (the GGUF default model then runs int4); bf16 is --quantization none.
 # Runs vary ~10% from process to process on a shared machine: compare rounds, not single runs.
 set -u
 rounds=${1:-3}
 shift || true
-if [ $# -gt 0 ]; then modes=("$@"); else modes=(bf16 int8 int4); fi
+if [ $# -gt 0 ]; then modes=("$@"); else modes=(default bf16 int8 int4); fi
 run() {  # label, then the pagedllm arguments
   local label=$1
   shift
@@ -18,8 +19,11 @@ run() {  # label, then the pagedllm arguments
 }
 for round in $(seq "$rounds"); do
   for mode in "${modes[@]}"; do
-    q=()
-    [ "$mode" != bf16 ] && q=(--quantization "$mode")
+    case $mode in
+      default) q=() ;;
+      bf16) q=(--quantization none) ;;
+      *) q=(--quantization "$mode") ;;
+    esac
     run "round $round W1 $mode" bench throughput --num-prompts 64 --input-len 32 --output-len 128 "${q[@]}"
     run "round $round W2 $mode" bench latency --input-len 32 --output-len 128 --batch-size 1 "${q[@]}"
   done
