@@ -127,6 +127,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "transformers":
         startup, elapsed, num_output = _run_hf(args, config, tokenizer, prompts)
     else:
+        del tokenizer  # the engine loads its own; a second 262k-vocab tokenizer would count in its RSS
         startup, elapsed, num_output = _run_pagedllm(args, engine_args, prompts)
 
     num_prompt_tokens = sum(len(p) for p in prompts)

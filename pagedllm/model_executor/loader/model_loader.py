@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
 
@@ -26,4 +29,16 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
         quantize_model(model, model_config.quantization)
     pack_model(model)
+    _release_freed_memory()
     return model.eval().requires_grad_(False)
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap that loading freed (checkpoint tensors, float weights replaced by packed
+    or quantized copies: hundreds of MB) back to the OS; glibc keeps it otherwise, and it
+    stays in the process's resident memory for good."""
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)  # glibc only
+        if trim is not None:
+            trim(0)
