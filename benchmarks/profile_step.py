@@ -22,7 +22,8 @@ from pagedllm import LLM, SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    parser.add_argument("--quantization", default=None, choices=[None, "none", "int8", "int4"],
+                        help="default: the model's default (int4 for the GGUF default model)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25, help="ops to print")
     args = parser.parse_args()

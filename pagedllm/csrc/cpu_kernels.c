@@ -245,8 +245,8 @@ void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint
 
 #define MAX_GROUP 8
 
-/* exp for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
- * degree-7 Taylor polynomial, within ~2 ulp of expf. */
+/* e^x as 2^n * e^r with |r| <= ln2 / 2 and a degree-7 Taylor polynomial, within ~2 ulp of
+ * expf; 0 below -103, inf above ~88.7 (scalef saturates). */
 INLINE __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
@@ -469,5 +469,36 @@ void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim
             acc = _mm512_fmadd_ps(load16(hidden, h_bf16, r * dim + c, m), load16(weight, w_bf16, id * dim + c, m), acc);
         }
         store1(logits, l_bf16, r * vocab + id, _mm512_reduce_add_ps(acc));
+    }
+}
+
+/* ---------- gated activations: out = act(gate) * up over rows of [gate | up] ----------
+ * act 0: SiLU, x / (1 + e^-x); act 1: GELU, tanh approximation. Float32 inside, one rounding
+ * at the end (torch rounds act(gate) before the multiply in bf16). */
+
+/* 1 / (1 + e^-x): reciprocal estimate plus one Newton step (~1 ulp), not a division. */
+INLINE __m512 sigmoid512(__m512 x) {
+    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_OQ), r);
+}
+
+void pl_act_and_mul(const void *x, int bf16, int64_t rows, int64_t d, int act, void *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(rows * d >= 65536 ? nthreads : 1)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < d; c += 16) {
+            __mmask16 m = tail16(d - c);
+            __m512 g = load16(x, bf16, r * 2 * d + c, m), u = load16(x, bf16, r * 2 * d + d + c, m), s;
+            if (act == 0) {
+                s = sigmoid512(g);  /* silu(g) = g * sigmoid(g) */
+            } else {
+                /* gelu_tanh(g) = 0.5 g (1 + tanh(t)) = g * sigmoid(2t), t = k (g + 0.044715 g^3) */
+                __m512 t = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                         _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+                s = sigmoid512(_mm512_add_ps(t, t));
+            }
+            store16(out, bf16, r * d + c, _mm512_mul_ps(_mm512_mul_ps(g, s), u), m);
+        }
     }
 }

@@ -33,6 +33,7 @@ _SIGNATURES = {
     "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
     "pl_topk_indices": [_P, _I, _L, _L, _L, _P, _I],
     "pl_rescore_logits": [_P, _I, _L, _L, _P, _I, _P, _L, _P, _I, _L, _I],
+    "pl_act_and_mul": [_P, _I, _L, _L, _I, _P, _I],
 }
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
@@ -218,3 +219,16 @@ def rescore_logits(logits: torch.Tensor, idx: torch.Tensor, hidden: torch.Tensor
         hidden.data_ptr(), _is_bf16(hidden), rows, dim, weight.data_ptr(), _is_bf16(weight), idx.data_ptr(),
         idx.shape[1], logits.data_ptr(), _is_bf16(logits), logits.shape[1], torch.get_num_threads(),
     )
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for x = [.., gate | up] (`ACTIVATIONS`), in one pass."""
+    d = x.shape[-1] // 2
+    x2 = _rows(x, 2 * d)
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype)
+    kernels().pl_act_and_mul(x2.data_ptr(), _is_bf16(x2), x2.shape[0], d, ACTIVATIONS[act], out.data_ptr(),
+                             torch.get_num_threads())
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], d)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
@@ -100,3 +101,23 @@ def test_topk_indices(n, k, dtype):
     for row, ids in zip(x.float(), idx):
         assert len(set(ids.tolist())) == k
         assert torch.equal(row[ids].sort(descending=True).values, row.topk(k).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul(act, dtype):
+    """One rounding at the end, so at least as close to float64 as torch's two-op version;
+    saturated gates (±100, ±200) give exact zeros and their linear parts, not NaN."""
+    x = (_rand(7, 2 * 100, seed=6) * 3).to(dtype)  # 100: a 16-lane tail
+    x[0, :12] = torch.tensor([0, -100, 100, 1e-8, -1e-8, 20, -20, 8, -8, 0.5, -200, 200]).to(dtype)
+    gate, up = x.double().chunk(2, dim=-1)
+    # gelu_tanh as g * sigmoid(2t), which equals 0.5 g (1 + tanh t) but, unlike it, does not
+    # cancel to 0 in float64 for very negative g
+    k = (2 / torch.pi) ** 0.5
+    fn = F.silu if act == "silu" else lambda g: g * torch.sigmoid(2 * k * (g + 0.044715 * g**3))
+    ref = fn(gate) * up
+    got = cpu_kernels.act_and_mul(x, act)
+    assert got.shape == (7, 100) and got.dtype == dtype and torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert ((got.double() - ref).abs() <= tol * ref.abs() + 1e-30).all()
+    assert (got[0, [1, 10]] == 0).all()
