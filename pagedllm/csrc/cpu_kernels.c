@@ -502,3 +502,39 @@ void pl_act_and_mul(const void *x, int bf16, int64_t rows, int64_t d, int act, v
         }
     }
 }
+
+/* ---------- argmax per row, as torch.max(dim) gives it ----------
+ * The first maximum's index; the first NaN's if the row has one; 0 for a row of -inf.
+ * Each lane keeps its own first maximum (strict >), so the smallest index among the lanes
+ * holding the row's maximum is the row's first. */
+
+void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t stride, int64_t *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(rows * n >= 65536 ? nthreads : 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *row = bf16 ? (const void *)((const uint16_t *)x + r * stride) : (const void *)((const float *)x + r * stride);
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i at = _mm512_setzero_si512(), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __mmask16 nan = 0;
+        int64_t i = 0;
+        for (; i < n && i < ((int64_t)1 << 31) - 16; i += 16) {
+            __mmask16 m = tail16(n - i);
+            __m512 v = load16(row, bf16, i, m);
+            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+            __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(iota, _mm512_set1_epi32((int)i)));
+        }
+        int64_t result = 0;
+        if (nan) {
+            for (int64_t j = 0; j < n; j++) {
+                float v = load1(row, bf16, j);
+                if (v != v) { result = j; break; }
+            }
+        } else {
+            float mx = _mm512_reduce_max_ps(best);
+            __mmask16 is_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+            if (is_max) result = _mm512_mask_reduce_min_epi32(is_max, at);
+        }
+        out[r] = result;
+    }
+}

@@ -34,6 +34,7 @@ _SIGNATURES = {
     "pl_topk_indices": [_P, _I, _L, _L, _L, _P, _I],
     "pl_rescore_logits": [_P, _I, _L, _L, _P, _I, _P, _L, _P, _I, _L, _I],
     "pl_act_and_mul": [_P, _I, _L, _L, _I, _P, _I],
+    "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
 }
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
@@ -232,3 +233,13 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     kernels().pl_act_and_mul(x2.data_ptr(), _is_bf16(x2), x2.shape[0], d, ACTIVATIONS[act], out.data_ptr(),
                              torch.get_num_threads())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum's index, as `x.max(dim=-1).indices` ([rows] int64; a NaN wins)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    kernels().pl_argmax_rows(x.data_ptr(), _is_bf16(x), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out

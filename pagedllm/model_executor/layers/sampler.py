@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.penalties import apply_penalties
 
 
@@ -182,6 +183,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     first chunk holding the row's maximum. Over a [64, 262144] bf16 head this is ~3x faster
     than `max(dim)`, and `argmax` over bf16 is slower still (it is not vectorised on CPU)."""
     rows, vocab = logits.shape
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.kernels():
+        return cpu_kernels.argmax_rows(logits)  # one pass, ~2x faster again
     n = vocab // _ARGMAX_CHUNK
     if n < 4:
         return logits.max(dim=-1).indices

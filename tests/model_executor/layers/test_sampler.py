@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, greedy_argmax
 
 
@@ -71,9 +72,15 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert alone == mixed
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("vocab", [100, 5000, 4096 + 7, 262144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_greedy_argmax_is_the_first_maximum(vocab, dtype):
+def test_greedy_argmax_is_the_first_maximum(vocab, dtype, use_kernel, monkeypatch):
+    """Through pagedllm's C kernel, and through the chunked torch path."""
+    if not use_kernel:
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("pagedllm's CPU kernels cannot be built here")
     x = torch.randn(7, vocab + 10, generator=torch.Generator().manual_seed(0)).to(dtype)[:, 3 : vocab + 3]
     x[1] = 0  # all tied: index 0
     x[2, -1] = 100  # in the short tail chunk
@@ -81,4 +88,5 @@ def test_chunked_greedy_argmax_is_the_first_maximum(vocab, dtype):
     x[4] = float("-inf")
     x[5, -3:] = 50  # a tie inside the tail
     x[6, 5] = float("nan")  # NaN wins, as in max()
+    x[0, vocab // 3] = x[0, vocab // 3 + 1] = x[0, vocab - 2] = 60  # same lane, other lanes
     assert torch.equal(greedy_argmax(x), x.max(dim=-1).indices)
