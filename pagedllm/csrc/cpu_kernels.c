@@ -538,3 +538,52 @@ void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t st
         out[r] = result;
     }
 }
+
+/* ---------- q/k RMSNorm and rotary embedding, straight from the fused qkv output ----------
+ * qkv rows: [q heads | k heads | v heads] * d, row_stride elements apart. Each q and k head is
+ * normalised (when its weight is given; as pl_rms_norm, rounded to the dtype as torch's norm
+ * output is) and rotated (neox style: halves of the first `rot` dims; cos/sin rows of
+ * `rot` floats at the token's position), then written to q_out [T, hq, d] / k_out [T, hk, d].
+ * Needs rot % 32 == 0 and d <= 1024. */
+
+void pl_qk_norm_rope(const void *qkv, int bf16, int64_t T, int64_t row_stride, int64_t hq, int64_t hk, int64_t d,
+                     const float *q_w, const float *k_w, float eps, int gemma, const float *cos_cache,
+                     const float *sin_cache, const int64_t *positions, int64_t rot, void *q_out, void *k_out,
+                     int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(T >= 8 ? nthreads : 1)
+    for (int64_t task = 0; task < T * (hq + hk); task++) {
+        int64_t t = task / (hq + hk), h = task % (hq + hk), half = rot / 2;
+        int is_q = h < hq;
+        const float *w = is_q ? q_w : k_w;
+        void *dst = is_q ? q_out : k_out;
+        int64_t at = is_q ? (t * hq + h) * d : (t * hk + h - hq) * d, src = t * row_stride + h * d;
+        float y[1024];
+        for (int64_t c = 0; c < d; c += 16) _mm512_mask_storeu_ps(y + c, tail16(d - c), load16(qkv, bf16, src + c, tail16(d - c)));
+        if (w) {
+            __m512 ss = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 16) {
+                __m512 v = _mm512_maskz_loadu_ps(tail16(d - c), y + c);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            __m512 rs = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)d + eps));
+            for (int64_t c = 0; c < d; c += 16) {
+                __mmask16 m = tail16(d - c);
+                __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + c), rs);
+                if (!gemma && bf16) v = bf16_to_f32(f32_to_bf16(v));
+                v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + c));
+                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+                _mm512_mask_storeu_ps(y + c, m, v);
+            }
+        }
+        const float *cs = cos_cache + positions[t] * rot, *sn = sin_cache + positions[t] * rot;
+        for (int64_t c = 0; c < half; c += 16) {
+            __m512 a = _mm512_loadu_ps(y + c), b = _mm512_loadu_ps(y + half + c);
+            store16(dst, bf16, at + c,
+                    _mm512_fnmadd_ps(b, _mm512_loadu_ps(sn + c), _mm512_mul_ps(a, _mm512_loadu_ps(cs + c))), 0xFFFF);
+            store16(dst, bf16, at + half + c,
+                    _mm512_fmadd_ps(a, _mm512_loadu_ps(sn + half + c), _mm512_mul_ps(b, _mm512_loadu_ps(cs + half + c))),
+                    0xFFFF);
+        }
+        for (int64_t c = rot; c < d; c += 16) store16(dst, bf16, at + c, _mm512_maskz_loadu_ps(tail16(d - c), y + c), tail16(d - c));
+    }
+}

@@ -102,7 +102,7 @@ def test_sample_logprobs_match_transformers(request, arch):
 def test_sampled_token_outside_top_k_keeps_its_true_rank(llm, tok, hf_model):
     """logit_bias forces a poor token; logprobs are the model's raw ones, with that token's real rank."""
     ids = tok(PROMPT).input_ids
-    forced = 7
+    forced = int(_hf_logprobs(hf_model, ids)[-1].argmin())  # the model's least likely next token
     out = _gen(llm, ids, temperature=0, max_tokens=3, logprobs=2, ignore_eos=True, logit_bias={forced: 100.0})
     out = out.outputs[0]
     assert out.token_ids == [forced] * 3

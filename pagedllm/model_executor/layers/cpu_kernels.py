@@ -35,6 +35,7 @@ _SIGNATURES = {
     "pl_rescore_logits": [_P, _I, _L, _L, _P, _I, _P, _L, _P, _I, _L, _I],
     "pl_act_and_mul": [_P, _I, _L, _L, _I, _P, _I],
     "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
+    "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
 }
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
@@ -243,3 +244,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     kernels().pl_argmax_rows(x.data_ptr(), _is_bf16(x), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] from the fused projection qkv [T, (Hq + 2 Hk) D]:
+    per-head RMSNorm (`norms` = q weight, k weight (float32), eps, Gemma style) then neox
+    rotary with cos/sin caches [positions, rot] (float32)."""
+    tokens = qkv.shape[0]
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
+    q_w, k_w, eps, gemma = norms if norms is not None else (None, None, 0.0, False)
+    kernels().pl_qk_norm_rope(
+        qkv.data_ptr(), _is_bf16(qkv), tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+        q_w.data_ptr() if q_w is not None else None, k_w.data_ptr() if k_w is not None else None, eps, gemma,
+        cos_cache.data_ptr(), sin_cache.data_ptr(), positions.data_ptr(), cos_cache.shape[1], q.data_ptr(),
+        k.data_ptr(), torch.get_num_threads(),
+    )
+    return q, k

@@ -41,6 +41,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self._scale = _CachedScale()
 
+    gemma_style = False
+
+    def kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The float32 weight the C kernels take for input x, or None if they cannot."""
+        return self._scale.get(self.weight, 0.0) if self.weight.dtype == x.dtype else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _kernel_ok(x) and self.weight.dtype == x.dtype:
             return cpu_kernels.rms_norm(x, self._scale.get(self.weight, 0.0), self.eps, gemma=False)
@@ -56,6 +62,12 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self._scale = _CachedScale()
+
+    gemma_style = True
+
+    def kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The float32 weight (1 + w) the C kernels take."""
+        return self._scale.get(self.weight, 1.0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of `x`, plus `residual` when given (Gemma's post-norms feed a residual add)."""

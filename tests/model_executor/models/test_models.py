@@ -66,3 +66,31 @@ def test_bfloat16_matches_transformers_bfloat16(arch, tmp_path):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert_greedy_match([o.outputs[0].token_ids for o in outs], ref, tol=0.05)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_head_dim_matches_transformers(arch, dtype, tmp_path, monkeypatch):
+    """head_dim 32: decode attention and the q/k norm + rotary run pagedllm's C kernels on CPU
+    (the models above, at 16, take the torch paths), plain and with prefills split into chunks
+    that mix with decodes."""
+    import torch
+
+    from pagedllm.model_executor.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("pagedllm's CPU kernels cannot be built here")
+    calls = {"paged_decode_attention": [], "qk_norm_rope": []}
+    for name, log in calls.items():
+        kernel = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _log=log: _log.append(1) or _k(*a))
+    extra = {"query_pre_attn_scalar": 32} if arch == "gemma3" else {}
+    path = make_tiny_model(str(tmp_path), arch, head_dim=32, **extra)
+    torch_dtype = getattr(torch, dtype)
+    ref = hf_greedy(path, PROMPTS, MAX_TOKENS, dtype=torch_dtype)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for scenario in ("plain", "chunked"):
+        llm = LLM(path, dtype=dtype, **SCENARIOS[scenario])
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert_greedy_match([o.outputs[0].token_ids for o in outs], ref, tol=1e-3 if dtype == "float32" else 0.05)
+    assert all(calls.values()), calls
