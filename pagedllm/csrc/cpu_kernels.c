@@ -318,7 +318,7 @@ static void softmax_rows(float *p, int64_t rows, int64_t n) {
         }
         __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
         for (int64_t i = 0; i < n; i += 16)
-            _mm512_mask_storeu_ps(row + i, tail16(n - i), _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
+            _mm512_mask_storeu_ps(row + i, tail16(n - i), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail16(n - i), row + i), inv));
     }
 }
 

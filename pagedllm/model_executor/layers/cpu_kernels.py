@@ -57,8 +57,10 @@ def _cpu_id() -> str:
 
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "gcc")
+    # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
+    flags = _FLAGS + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, check=True)
+            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, check=True)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
