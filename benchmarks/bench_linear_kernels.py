@@ -1,6 +1,6 @@
 """Microbenchmark of the CPU linear kernels for Gemma 3 270M's shapes: bf16 F.linear, bf16 with
 the weight pre-packed for oneDNN (what every float linear runs), weight-only int8 / int4 through
-torch's kernels and through pagedllm's (csrc/cpu_kernels.c, "pl int8" / "pl int4"), and W8A8
+torch's kernels and through pagedllm's (pagedllm/csrc/, "pl int8" / "pl int4"), and W8A8
 (per-row dynamic int8 activations, what the quantized LM head runs above 8 rows).
 
 Two views, since they disagree: one weight timed over and over (it stays in cache, which

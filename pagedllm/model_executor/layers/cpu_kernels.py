@@ -1,10 +1,11 @@
-"""pagedllm's own CPU kernels (pagedllm/csrc/cpu_kernels.c): int8/int4 GEMV, paged decode
-attention and RMSNorm, for the small-batch decode steps where torch's ops run far below
-memory bandwidth or cost more in per-op overhead than in work (docs/performance.md).
+"""pagedllm's own CPU kernels (pagedllm/csrc/): int8/int4 GEMV, paged decode attention,
+RMSNorm, q/k norm + rotary, gated activations, and top-k / argmax over the logits, for the
+decode steps where torch's ops run far below memory bandwidth or cost more in per-op
+overhead than in work (docs/performance.md).
 
-The C file is compiled on first use with the system's gcc for this CPU (`-march=native`,
-~2 s) into a cache directory keyed by the source, the compiler and the CPU, and loaded with
-ctypes, which drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, or
+The C files are compiled on first use with the system's gcc for this CPU (`-march=native`,
+~2 s) into one library in a cache directory keyed by the sources, the flags, the compiler
+and the CPU, and loaded with ctypes, which drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, or
 with PAGEDLLM_CPU_KERNELS=0, `kernels()` is None and every caller keeps its torch path.
 """
 
@@ -23,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_kernels.c"
+_SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -60,7 +61,9 @@ def _build() -> ctypes.CDLL:
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
     flags = _FLAGS + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode())
+    sources = sorted(_SOURCE_DIR.glob("*.c"))
+    texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id()]).encode())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +71,8 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, check=True)
+            cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
