@@ -74,6 +74,9 @@ def _build() -> ctypes.CDLL:
             cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
             subprocess.run(cmd, capture_output=True, text=True, check=True)
             os.replace(tmp, target)
+            for old in target.parent.glob("cpu_kernels-*.so"):  # builds of other sources
+                if old != target:
+                    old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
