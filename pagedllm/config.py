@@ -136,15 +136,18 @@ def _check_quantization(method: str | None, device: torch.device) -> None:
         raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
 
 
-def resolve_quantization(method: str | None, model_path: str, device: torch.device) -> str | None:
+def resolve_quantization(
+    method: str | None, model_path: str, device: torch.device, dtype: torch.dtype
+) -> str | None:
     """The method a model runs with: as given; "none" for none; and when not given, a GGUF
     checkpoint with quantized tensors runs quantized on CPU (as vLLM runs GGUF files with its
-    GGUF kernels) instead of dequantized to the float dtype."""
+    GGUF kernels) instead of dequantized, unless float32 was asked for (full precision, the
+    mode the exactness tests compare in)."""
     from pagedllm.model_executor.loader.gguf_loader import gguf_is_quantized
 
     if method == "none":
         return None
-    if method is None and device.type == "cpu" and gguf_is_quantized(model_path):
+    if method is None and device.type == "cpu" and dtype != torch.float32 and gguf_is_quantized(model_path):
         return GGUF_CPU_QUANTIZATION
     return method
 
@@ -172,16 +175,17 @@ def build_model_config(
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the max_position_embeddings={derived_max} of {model_path}"
         )
+    resolved_dtype = _resolve_dtype(dtype, text_config, device)
     return ModelConfig(
         model=model or DEFAULT_MODEL,
         model_path=model_path,
         hf_config=hf_config,
-        dtype=_resolve_dtype(dtype, text_config, device),
+        dtype=resolved_dtype,
         max_model_len=max_model_len or derived_max,
         seed=seed,
         tokenizer=tokenizer or model_path,
         trust_remote_code=trust_remote_code,
-        quantization=resolve_quantization(quantization, model_path, device),
+        quantization=resolve_quantization(quantization, model_path, device, resolved_dtype),
     )
 
 
@@ -265,6 +269,8 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=device),
-            speculative_config=parse_speculative_config(self.speculative_config, model_config, device),
+            speculative_config=parse_speculative_config(
+                self.speculative_config, model_config, device, self.quantization
+            ),
         )
 

@@ -75,7 +75,7 @@ INLINE float load1(const void *p, int bf16, int64_t i) {
 /* e^x as 2^n * e^r with |r| <= ln2 / 2 and a degree-7 Taylor polynomial, within ~2 ulp of
  * expf; 0 below -103, inf above ~88.7 (scalef saturates). */
 INLINE __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-103.0f), x);  /* this order keeps NaN (max returns its 2nd operand) */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);

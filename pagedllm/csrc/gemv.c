@@ -13,10 +13,17 @@ static void quantize_rows_i16(const void *x, int bf16, int64_t m, int64_t k, flo
     for (int64_t r = 0; r < m; r++) {
         const void *row = bf16 ? (const void *)((const uint16_t *)x + r * k) : (const void *)((const float *)x + r * k);
         __m512 amax = _mm512_setzero_ps();
-        for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row, bf16, i, tail16(k - i))));
+        __mmask16 nonfinite = 0;
+        for (int64_t i = 0; i < k; i += 16) {
+            __m512 v = _mm512_abs_ps(load16(row, bf16, i, tail16(k - i)));
+            nonfinite |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);  /* inf or NaN */
+            amax = _mm512_max_ps(amax, v);
+        }
         float a = _mm512_reduce_max_ps(amax);
-        sx[r] = a > 0 ? a / qmax : 1.0f;
-        __m512 inv = _mm512_set1_ps(a > 0 ? qmax / a : 0.0f);
+        /* A row holding inf or NaN gets NaN outputs, as its float product would have
+         * inf/NaN in it; quantizing it would hide that. */
+        sx[r] = nonfinite ? NAN : a > 0 ? a / qmax : 1.0f;
+        __m512 inv = _mm512_set1_ps(!nonfinite && a > 0 ? qmax / a : 0.0f);
         int16_t *out = xq + r * kp;
         memset(out, 0, kp * sizeof(int16_t));
         for (int64_t i = 0; i < k; i += 16) {
@@ -32,7 +39,7 @@ static void quantize_rows_i16(const void *x, int bf16, int64_t m, int64_t k, flo
  * (Tiles of 4 weight rows, read side by side, ran at a third of the bandwidth here: the
  * hardware prefetchers follow 4 short interleaved streams poorly.) */
 
-/* Lanes hold at most 2 * 2048 products of |127 * 32767| within a 4096-wide chunk: < 2^31. */
+/* Within a 4096-wide chunk a lane sums 256 products of at most 127 * 32767: ~1.07e9 < 2^31. */
 #define I8_CHUNK 4096
 
 INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {

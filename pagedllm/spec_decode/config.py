@@ -38,9 +38,11 @@ _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", 
 
 
 def parse_speculative_config(
-    spec: dict | str | None, target: ModelConfig, device: torch.device
+    spec: dict | str | None, target: ModelConfig, device: torch.device, quantization: str | None = None
 ) -> SpeculativeConfig | None:
-    """From the user's dict (or its JSON, as on the command line) to a checked config."""
+    """From the user's dict (or its JSON, as on the command line) to a checked config.
+    `quantization` is what the user asked for (None: each model's own default), which a draft
+    model gets too."""
     if spec is None or spec == {}:
         return None
     if isinstance(spec, str):
@@ -74,7 +76,7 @@ def parse_speculative_config(
     if not spec.get("model"):
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
     draft = build_model_config(spec["model"], None, target.dtype, device, target.max_model_len,
-                               target.seed, target.trust_remote_code, target.quantization or "none")
+                               target.seed, target.trust_remote_code, quantization)
     if draft.text_config.vocab_size != target.text_config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft.text_config.vocab_size}) differs from the target's "

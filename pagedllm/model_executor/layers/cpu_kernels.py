@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ _SIGNATURES = {
     "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
     "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
 }
+_STALE_SECONDS = 24 * 3600
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
 
@@ -65,26 +67,43 @@ def _build() -> ctypes.CDLL:
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id()]).encode())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target, then rename: concurrent processes never load half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
+    for attempt in range(2):
+        if not target.exists():
+            _compile([cc, *flags], sources, target)
         try:
-            cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
-            subprocess.run(cmd, capture_output=True, text=True, check=True)
-            os.replace(tmp, target)
-            for old in target.parent.glob("cpu_kernels-*.so"):  # builds of other sources
-                if old != target:
-                    old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+            lib = ctypes.CDLL(str(target))
+            break
+        except OSError:  # removed or replaced under us by another process: build it again
+            if attempt:
+                raise
+            target.unlink(missing_ok=True)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     return lib
+
+
+def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent processes never load half a file.
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*cmd, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True, check=True)
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache needs it readable
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    # Builds of other sources or flags (other versions, debug builds) that nobody has used for a
+    # day; an active checkout of another version just rebuilds (~1 s) if its build goes.
+    stale = time.time() - _STALE_SECONDS
+    for old in target.parent.glob("*.so"):
+        try:
+            if old != target and old.stat().st_mtime < stale:
+                old.unlink()  # a process that loaded it keeps its mapping
+        except FileNotFoundError:  # another process pruned it first
+            pass
 
 
 def kernels() -> ctypes.CDLL | None:
@@ -124,6 +143,11 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
 
 
+def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """t in `dtype`, contiguous (the kernels read it with the activations' element size)."""
+    return t if t is None or (t.dtype == dtype and t.is_contiguous()) else t.to(dtype).contiguous()
+
+
 def w8a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -132,6 +156,7 @@ def w8a16_linear(
     x2 = _rows(x, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype)
     flag = _is_bf16(x2)
+    bias = _as(bias, x.dtype)
     kernels().pl_w8a16_linear(
         x2.data_ptr(), flag, x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
         bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
@@ -147,6 +172,7 @@ def w4a16_linear(
     x2 = _rows(x, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype)
     flag = _is_bf16(x2)
+    bias = _as(bias, x.dtype)
     kernels().pl_w4a16_linear(
         x2.data_ptr(), flag, x2.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size,
         bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
@@ -178,7 +204,12 @@ def paged_decode_attention(
     """q [S, Hq, D] (one token per sequence) against caches [blocks, block_size, Hk, D]."""
     num_seqs, hq, d = q.shape
     hk, block_size = k_cache.shape[2], k_cache.shape[1]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype):
+        raise ValueError("paged_decode_attention: caches must be contiguous, in q's dtype")
     q = q.contiguous()
+    block_tables = block_tables.to(torch.int64)
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     kernels().pl_paged_decode_attention(
         q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q),
@@ -193,7 +224,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim with a float32 `weight` (1 + w for Gemma, w otherwise);
     with `residual`, returns residual + the norm."""
-    cols = x.shape[-1]
+    shape, cols = x.shape, x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 3:
@@ -202,13 +233,13 @@ def rms_norm(
         x = x if x.dim() == 2 else x.reshape(-1, cols)
         inner, stride_outer, stride_inner = 1, x.stride(0), 0
     out = torch.empty(x.shape, dtype=x.dtype)
-    if residual is not None and not residual.is_contiguous():
-        residual = residual.contiguous()
+    if residual is not None:
+        residual = residual.to(x.dtype).contiguous()
     kernels().pl_rms_norm(
         x.data_ptr(), out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x), weight.data_ptr(),
         eps, gemma, residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
     )
-    return out
+    return out.view(shape)
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:

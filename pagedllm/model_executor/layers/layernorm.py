@@ -72,7 +72,7 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of `x`, plus `residual` when given (Gemma's post-norms feed a residual add)."""
         scale = self._scale.get(self.weight, 1.0)
-        if _kernel_ok(x):
+        if _kernel_ok(x) and (residual is None or residual.dtype == x.dtype):
             return cpu_kernels.rms_norm(x, scale, self.eps, gemma=True, residual=residual)
         out = F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
         return out if residual is None else residual + out

@@ -97,10 +97,15 @@ class WeightOnlyQuant(nn.Module):
         self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layout == "pagedllm" and x.dtype in (torch.float32, torch.bfloat16):
+        if self.layout == "pagedllm":
+            dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else _KERNEL_DTYPE  # e.g. float16
+            xk = x.to(dtype)
+            bk = bias.to(dtype) if bias is not None else None
             if self.method == "int8":
-                return cpu_kernels.w8a16_linear(x, self.qweight, self.scales, bias)
-            return cpu_kernels.w4a16_linear(x, self.qweight, self.scales, self.group_size, bias)
+                out = cpu_kernels.w8a16_linear(xk, self.qweight, self.scales, bk)
+            else:
+                out = cpu_kernels.w4a16_linear(xk, self.qweight, self.scales, self.group_size, bk)
+            return out.to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
         if self.method == "int8":

@@ -83,6 +83,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     root = _cache_root(cache_dir)
     final = root / key
     if (final / _DONE).is_file():
+        _remove_superseded(root, src, keep=final)
         return str(final)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(root, key)
@@ -100,7 +101,22 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_superseded(root, src, keep=final)
     return str(final)
+
+
+def _remove_superseded(root: Path, src: str, keep: Path) -> None:
+    """Older conversions of the same file (it changed, or the conversion format did): each is
+    as big as the model in float32, and nothing would read them again."""
+    for entry in root.iterdir():
+        meta = entry / "gguf_source.json"
+        if entry == keep or entry.name.startswith(".") or not meta.is_file():
+            continue
+        try:
+            if json.loads(meta.read_text()).get("source") == src:
+                shutil.rmtree(entry, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
 
 
 def gguf_is_quantized(model_path: str) -> bool:

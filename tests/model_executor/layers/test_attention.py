@@ -93,11 +93,25 @@ def test_decode_batch_of_different_lengths(window, dtype, decode_calls):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (16, 1, 32), (12, 4, 64), (6, 2, 32)])
-def test_decode_head_layouts(heads, kv_heads, head_dim):
+def test_decode_head_layouts(heads, kv_heads, head_dim, decode_calls):
     """Gemma 3's 4 query heads on one 256-wide kv head; groups wider than the kernel's
     8-head chunk; several kv heads."""
     _run([5, 21, 13], [1, 1, 1], 8, torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     _run([5, 21, 13], [1, 1, 1], None, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    assert decode_calls is None or len(decode_calls) == 2
+
+
+def test_nan_in_a_key_reaches_the_output(decode_calls):
+    """A NaN score is not silently dropped by the softmax (as in the float reference)."""
+    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, SCALE)
+    attn.kv_cache = torch.randn(2, 4, BLOCK, KV_HEADS, HEAD_DIM)
+    attn.kv_cache[0, 0, 1, 0, 3] = float("nan")  # key 1 of the sequence, kv head 0
+    inputs = prepare_inputs([[0]], [6], [[0, 1]], BLOCK, torch.device("cpu"))
+    q, k, v = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
+    with set_forward_context(inputs.attn_metadata):
+        out = attn(q, k, v)
+    group = HEADS // KV_HEADS
+    assert out[0, :group].isnan().all() and torch.isfinite(out[0, group:]).all()
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -121,3 +121,66 @@ def test_act_and_mul(act, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2**-8
     assert ((got.double() - ref).abs() <= tol * ref.abs() + 1e-30).all()
     assert (got[0, [1, 10]] == 0).all()
+
+
+def test_nonfinite_activations_give_nan_rows():
+    """A row with inf or NaN must not come out finite (or with flipped infinities): its row is
+    NaN, the others are untouched."""
+    q, scale = qz.quantize_int8(_rand(16, 128, scale=0.05))
+    q4, sz = qz.quantize_int4(_rand(16, 128, scale=0.05), 128)
+    packed, scales = cpu_kernels.pack_int4(q4, sz)
+    x = _rand(3, 128, seed=7)
+    x[0, 5], x[2, 9] = float("nan"), float("inf")
+    for out in (cpu_kernels.w8a16_linear(x, q, scale, None), cpu_kernels.w4a16_linear(x, packed, scales, 128, None)):
+        assert out[0].isnan().all() and out[2].isnan().all() and torch.isfinite(out[1]).all()
+
+
+def test_float16_runs_through_the_kernel_layout():
+    """float16 models: pagedllm's int4 / int8 layouts run in bf16 and come back in float16."""
+    w = _rand(64, 256, scale=0.05)
+    x = _rand(3, 256, seed=8).half()
+    for method in ("int8", "int4"):
+        deq = w.clone()
+        quant = qz.quantize_weight(deq, method, max_rows=8)  # deq: the dequantized weight
+        assert quant.layout == "pagedllm"
+        out = quant(x, torch.zeros(64, dtype=torch.float16))
+        assert out.dtype == torch.float16
+        ref = x.double() @ deq.double().T
+        assert ((out.double() - ref).norm() / ref.norm()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim, norm", [(256, 256, "gemma"), (64, 64, "llama"), (96, 32, None)])
+def test_qk_norm_rope_matches_the_torch_path(head_dim, rotary_dim, norm, dtype, monkeypatch):
+    """The fused q/k norm + rotary against the separate torch ops it replaces (float32: to
+    rounding; bf16: one rounding instead of several, so within a bf16 step)."""
+    from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(inv_freq, 512)
+    heads, kv_heads, tokens = 4, 2, 7
+    norms = (None, None)
+    if norm is not None:
+        cls = GemmaRMSNorm if norm == "gemma" else RMSNorm
+        norms = tuple(cls(head_dim).to(dtype) for _ in range(2))
+        with torch.no_grad():
+            for n in norms:
+                n.weight.normal_()
+    qkv = (_rand(tokens, (heads + 2 * kv_heads) * head_dim + 16, seed=9) * 2).to(dtype)[:, 16:]  # strided rows
+    positions = torch.tensor([0, 1, 5, 17, 100, 311, 511])
+    calls = []
+    fused = cpu_kernels.qk_norm_rope
+    monkeypatch.setattr(cpu_kernels, "qk_norm_rope", lambda *a: calls.append(1) or fused(*a))
+    with torch.no_grad():
+        got = rope.forward_qkv(positions, qkv, heads, kv_heads, head_dim, *norms)
+        assert calls == [1]
+        rope._last = None
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+        want = rope.forward_qkv(positions, qkv, heads, kv_heads, head_dim, *norms)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        else:
+            assert ((g.float() - w.float()).abs() <= 2**-6 * w.float().abs() + 2e-2).all()

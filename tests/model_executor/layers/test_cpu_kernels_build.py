@@ -1,7 +1,11 @@
 """Building and loading pagedllm's C kernels: cached by source, flags and CPU; and where they
-cannot be built (no compiler, turned off), `kernels()` is None and the layers use torch."""
+cannot be built (no compiler, a failing one, turned off), `kernels()` is None and the layers
+use torch."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
@@ -14,18 +18,27 @@ from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 def fresh(monkeypatch, tmp_path):
     """An unloaded library and an empty cache directory."""
     monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._UNSET)
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    return tmp_path / "cpu_kernels"
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "cpu_kernels"
 
 
-def test_turned_off_or_no_compiler_means_torch_paths(fresh, monkeypatch):
+def _reload(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._UNSET)
+    return cpu_kernels.kernels()
+
+
+def test_turned_off_or_failing_compiler_means_torch_paths(fresh, monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     assert cpu_kernels.kernels() is None
-    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._UNSET)
     monkeypatch.delenv("PAGEDLLM_CPU_KERNELS")
-    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
-    assert cpu_kernels.kernels() is None
-    assert not fresh.exists() or not list(fresh.glob("*.so"))  # nothing half-built left behind
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert _reload(monkeypatch) is None
+    broken = tmp_path / "broken-cc"  # answers --version, then fails to compile
+    broken.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "broken 1.0" && exit 0\necho error >&2\nexit 1\n')
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    assert _reload(monkeypatch) is None
+    assert fresh.is_dir() and not list(fresh.iterdir())  # nothing half-built left behind
     norm = GemmaRMSNorm(32)
     x = torch.randn(3, 32)
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
@@ -34,14 +47,22 @@ def test_turned_off_or_no_compiler_means_torch_paths(fresh, monkeypatch):
 def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     if cpu_kernels.kernels() is None:
         pytest.skip("pagedllm's CPU kernels cannot be built here")
-    (built,) = fresh.glob("cpu_kernels-*.so")
+    (built,) = fresh.glob("*.so")
+    assert built.stat().st_mode & 0o444 == 0o444  # readable by others sharing the cache
     stamp = built.stat().st_mtime_ns
-    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._UNSET)
-    assert cpu_kernels.kernels() is not None
-    assert list(fresh.glob("cpu_kernels-*.so")) == [built] and built.stat().st_mtime_ns == stamp
-    # other flags are another build, which replaces the old one in the cache
-    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._UNSET)
+    assert _reload(monkeypatch) is not None
+    assert list(fresh.glob("*.so")) == [built] and built.stat().st_mtime_ns == stamp
+    # other flags are another build; the first stays until it has gone unused for a day
     monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG")
-    assert cpu_kernels.kernels() is not None
-    (rebuilt,) = fresh.glob("cpu_kernels-*.so")
-    assert rebuilt != built
+    assert _reload(monkeypatch) is not None
+    assert len(list(fresh.glob("*.so"))) == 2
+    day_ago = time.time() - 2 * 24 * 3600
+    os.utime(built, (day_ago, day_ago))
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG=2")
+    assert _reload(monkeypatch) is not None
+    names = {p.name for p in fresh.glob("*.so")}
+    assert built.name not in names and len(names) == 2
+    # a build removed under a running process is rebuilt on the next load
+    for p in fresh.glob("*.so"):
+        p.unlink()
+    assert _reload(monkeypatch) is not None and len(list(fresh.glob("*.so"))) == 1

@@ -69,3 +69,12 @@ def test_gemma_norm_with_residual(dtype, use_kernel, monkeypatch):
         norm.weight.normal_()
         x, r = torch.randn(9, 640, dtype=dtype), torch.randn(9, 640, dtype=dtype)
         assert torch.equal(norm(x, residual=r), r + norm(x))
+
+
+@pytest.mark.parametrize("shape", [(640,), (2, 3, 5, 640)])
+def test_any_leading_shape(shape):
+    norm = GemmaRMSNorm(640)
+    x = torch.randn(*shape)
+    out = norm(x)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -142,11 +142,12 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     assert source == {"source": str(src), "architecture": arch, "add_bos_token": True}
     # A GGUF with quantized tensors runs quantized on CPU unless told otherwise.
     assert gguf_is_quantized(out)
-    cpu = torch.device("cpu")
-    assert resolve_quantization(None, out, cpu) == GGUF_CPU_QUANTIZATION
-    assert resolve_quantization(None, out, torch.device("cuda")) is None
-    assert resolve_quantization("none", out, cpu) is None
-    assert resolve_quantization("int8", out, cpu) == "int8"
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert resolve_quantization(None, out, cpu, bf16) == GGUF_CPU_QUANTIZATION
+    assert resolve_quantization(None, out, cpu, torch.float32) is None  # float32 asks for full precision
+    assert resolve_quantization(None, out, torch.device("cuda"), bf16) is None
+    assert resolve_quantization("none", out, cpu, bf16) is None
+    assert resolve_quantization("int8", out, cpu, torch.float32) == "int8"
 
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -177,7 +178,9 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     assert time.perf_counter() - start < 1.0
 
     os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched file -> new entry
-    assert convert_gguf(str(src), cache_dir=str(cache)) != out
+    newer = convert_gguf(str(src), cache_dir=str(cache))
+    assert newer != out
+    assert not Path(out).exists() and [p.name for p in (cache / "gguf").iterdir()] == [Path(newer).name]
 
 
 def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
