@@ -46,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                         help="weight-only quantized linears and LM head (CPU). Default: int4 for a GGUF file "
-                             "with quantized tensors on CPU, else none (the model's dtype)")
+                             "with quantized tensors on CPU (not with --dtype float32), else none")
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
