@@ -10,13 +10,9 @@ from torch import nn
 from pagedllm.model_executor.layers import cpu_kernels
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.kernels() is not None
-
-
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_ok(x):
+        if cpu_kernels.usable(x):
             return cpu_kernels.act_and_mul(x, "silu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -24,7 +20,7 @@ class SiluAndMul(nn.Module):
 
 class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_ok(x):
+        if cpu_kernels.usable(x):
             return cpu_kernels.act_and_mul(x, "gelu_tanh")
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

@@ -98,12 +98,7 @@ class Attention(nn.Module):
     def _use_kernel(self, q: torch.Tensor) -> bool:
         """pagedllm's C decode kernel: reads each sequence's keys in place through its block
         table, once for all query heads sharing them, with no gather and no padding mask."""
-        return (
-            q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and self.head_dim % 32 == 0
-            and cpu_kernels.kernels() is not None
-        )
+        return self.head_dim % 32 == 0 and cpu_kernels.usable(q)
 
     def _prefill(
         self,

@@ -120,14 +120,13 @@ def kernels() -> ctypes.CDLL | None:
     return _lib  # type: ignore[return-value]
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels can run on these tensors: CPU, float32 or bfloat16 where float."""
-    if kernels() is None:
-        return False
-    return all(t.device.type == "cpu" for t in tensors)
-
-
 _BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors: built, and all of them float32 or
+    bfloat16 on CPU. The one check every caller makes before taking its kernel path."""
+    return all(t.device.type == "cpu" and t.dtype in _BF16_FLAG for t in tensors) and kernels() is not None
 
 
 def _is_bf16(t: torch.Tensor) -> int:
@@ -153,15 +152,7 @@ def w8a16_linear(
 ) -> torch.Tensor:
     """x [.., K] @ (qweight [N, K] int8 * scales [N] bf16)^T: activations as int16 per row."""
     n, k = qweight.shape
-    x2 = _rows(x, k)
-    y = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    flag = _is_bf16(x2)
-    bias = _as(bias, x.dtype)
-    kernels().pl_w8a16_linear(
-        x2.data_ptr(), flag, x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
-        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
-    )
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return _weight_only(kernels().pl_w8a16_linear, x, n, k, (qweight.data_ptr(), scales.data_ptr()), bias)
 
 
 def w4a16_linear(
@@ -169,13 +160,20 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """x [.., K] @ int4 weight (`pack_int4`'s layout and scales)."""
     n, k = packed.shape[0], packed.shape[1] * 2
+    weight = (packed.data_ptr(), scales_zeros.data_ptr(), group_size)
+    return _weight_only(kernels().pl_w4a16_linear, x, n, k, weight, bias)
+
+
+def _weight_only(kernel, x: torch.Tensor, n: int, k: int, weight: tuple, bias: torch.Tensor | None) -> torch.Tensor:
+    """The calling convention both GEMV kernels share: (x, dtype flag, rows, K, *weight, bias,
+    N, y, dtype flag, threads); y in x's dtype, shaped like x with N last."""
     x2 = _rows(x, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype)
     flag = _is_bf16(x2)
     bias = _as(bias, x.dtype)
-    kernels().pl_w4a16_linear(
-        x2.data_ptr(), flag, x2.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size,
-        bias.data_ptr() if bias is not None else None, n, y.data_ptr(), flag, torch.get_num_threads(),
+    kernel(
+        x2.data_ptr(), flag, x2.shape[0], k, *weight, bias.data_ptr() if bias is not None else None, n,
+        y.data_ptr(), flag, torch.get_num_threads(),
     )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 

@@ -28,10 +28,6 @@ class _CachedScale:
         return self.value
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.kernels() is not None
-
-
 class RMSNorm(nn.Module):
     """Llama style: normalise in float32, cast back, then scale by `weight`."""
 
@@ -48,8 +44,8 @@ class RMSNorm(nn.Module):
         return self._scale.get(self.weight, 0.0) if self.weight.dtype == x.dtype else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_ok(x) and self.weight.dtype == x.dtype:
-            return cpu_kernels.rms_norm(x, self._scale.get(self.weight, 0.0), self.eps, gemma=False)
+        if cpu_kernels.usable(x) and self.weight.dtype == x.dtype:
+            return cpu_kernels.rms_norm(x, self.kernel_weight(x), self.eps, gemma=False)
         # F.rms_norm is one fused op, bit-identical to x * rsqrt(mean(x^2) + eps) here.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -72,7 +68,7 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of `x`, plus `residual` when given (Gemma's post-norms feed a residual add)."""
         scale = self._scale.get(self.weight, 1.0)
-        if _kernel_ok(x) and (residual is None or residual.dtype == x.dtype):
+        if cpu_kernels.usable(x) and (residual is None or residual.dtype == x.dtype):
             return cpu_kernels.rms_norm(x, scale, self.eps, gemma=True, residual=residual)
         out = F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
         return out if residual is None else residual + out

@@ -98,13 +98,11 @@ class WeightOnlyQuant(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.layout == "pagedllm":
-            dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else _KERNEL_DTYPE  # e.g. float16
-            xk = x.to(dtype)
-            bk = bias.to(dtype) if bias is not None else None
-            if self.method == "int8":
-                out = cpu_kernels.w8a16_linear(xk, self.qweight, self.scales, bk)
+            xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(_KERNEL_DTYPE)  # e.g. float16
+            if self.method == "int8":  # (the kernels take the bias in xk's dtype)
+                out = cpu_kernels.w8a16_linear(xk, self.qweight, self.scales, bias)
             else:
-                out = cpu_kernels.w4a16_linear(xk, self.qweight, self.scales, self.group_size, bk)
+                out = cpu_kernels.w4a16_linear(xk, self.qweight, self.scales, self.group_size, bias)
             return out.to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
@@ -185,14 +183,9 @@ class DynamicInt8Quant(nn.Module):
         return out.mul_(scale).to(x.dtype)
 
 
-def _kernels_take(*tensors: torch.Tensor) -> bool:
-    floats = (torch.float32, torch.bfloat16)
-    return all(t.device.type == "cpu" and t.dtype in floats for t in tensors) and cpu_kernels.kernels() is not None
-
-
 def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's k best indices, in any order (ties: any valid choice)."""
-    if _kernels_take(logits):
+    if cpu_kernels.usable(logits):
         return cpu_kernels.topk_indices(logits, k)
     return logits.topk(k, dim=-1).indices
 
@@ -230,7 +223,7 @@ class QuantizedLMHead(nn.Module):
             top_k = min(top_k, DYNAMIC_TOP_K)
         if top_k:
             idx = top_k_indices(logits, top_k)
-            if _kernels_take(logits, hidden, weight) and weight.is_contiguous():
+            if cpu_kernels.usable(logits, hidden, weight) and weight.is_contiguous():
                 cpu_kernels.rescore_logits(logits, idx, hidden, weight)
             else:
                 exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)

@@ -97,16 +97,14 @@ class RotaryEmbedding(nn.Module):
 
     def _fused_ok(self, qkv: torch.Tensor, positions: torch.Tensor, head_dim: int) -> bool:
         return (
-            qkv.device.type == "cpu"
-            and qkv.dtype in (torch.float32, torch.bfloat16)
-            and qkv.dim() == 2
+            qkv.dim() == 2
             and qkv.stride(1) == 1
             and self.rotary_dim % 32 == 0
             and self.rotary_dim <= head_dim <= 1024
             and self.cos_cache.dtype == torch.float32
             and positions.dtype == torch.int64
             and positions.is_contiguous()
-            and cpu_kernels.kernels() is not None
+            and cpu_kernels.usable(qkv)
         )
 
 

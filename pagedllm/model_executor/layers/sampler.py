@@ -178,13 +178,14 @@ _ARGMAX_CHUNK = 1024
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first maximum's index of each row, as argmax gives it, found in two passes: the
-    maximum of each chunk of the vocabulary (`amax`, vectorised), then the index within the
-    first chunk holding the row's maximum. Over a [64, 262144] bf16 head this is ~3x faster
-    than `max(dim)`, and `argmax` over bf16 is slower still (it is not vectorised on CPU)."""
-    rows, vocab = logits.shape
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.kernels():
-        return cpu_kernels.argmax_rows(logits)  # one pass, ~2x faster again
+    """The first maximum's index of each row, as `max(dim).indices` gives it (a NaN wins).
+    On CPU one pass of pagedllm's C kernel. Otherwise two passes: the maximum of each chunk
+    of the vocabulary (`amax`, vectorised), then the index within the first chunk holding the
+    row's maximum; over a [64, 262144] bf16 head ~3x faster than `max(dim)`, and `argmax` over
+    bf16 is slower still (it is not vectorised on CPU)."""
+    if cpu_kernels.usable(logits):
+        return cpu_kernels.argmax_rows(logits)
+    vocab = logits.shape[1]
     n = vocab // _ARGMAX_CHUNK
     if n < 4:
         return logits.max(dim=-1).indices
