@@ -1,12 +1,17 @@
 """pagedllm: LLM inference and serving on a paged KV cache."""
 
+from pagedllm import cpu_isa
+from pagedllm.logger import init_logging
+
+init_logging()
+cpu_isa.apply()  # before torch runs anything: it reads its CPU ISA caps once
+
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from pagedllm.version import __version__
 
 __all__ = [
     "LLM",

@@ -3,21 +3,25 @@
 `LLM(...)`, the CLI (`generate`, `bench`, later `serve`) and the engine all build
 an `EngineArgs` and call `create_engine_config()`, so every entry point agrees on
 defaults and on what is an error.
+
+This module describes and validates; it reads model files only through
+`pagedllm.transformers_utils` (which resolves a name or path, converting a GGUF once into its
+cache), and imports nothing from the model code above it. The speculative-decoding settings are
+here too: a draft model is resolved exactly like the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from pagedllm.model_executor.loader.default_model import DEFAULT_MODEL
-from pagedllm.model_executor.loader.model_path import resolve_model_path
-
-if TYPE_CHECKING:  # spec_decode.config builds on this module, so only the type is imported here
-    from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm import cpu_isa
+from pagedllm.transformers_utils.default_model import DEFAULT_MODEL
+from pagedllm.transformers_utils.model_path import resolve_model_path
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,11 +75,29 @@ class SchedulerConfig:
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
+    max_n: int = 128  # most samples (n, best_of) one request may ask for
 
 
 @dataclass(slots=True)
 class DeviceConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Draft tokens proposed each step and verified by the target in one forward pass."""
+
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
+    prompt_lookup_max: int = 0  # ngram: longest
+    draft_model_config: ModelConfig | None = None  # draft_model only
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its scheduled tokens: the draft model writes its own
+        K/V for the tokens it proposes, in the request's blocks."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 @dataclass(slots=True)
@@ -112,12 +134,7 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.devic
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return cpu_isa.has_native_bf16()
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -143,7 +160,7 @@ def resolve_quantization(
     checkpoint with quantized tensors runs quantized on CPU (as vLLM runs GGUF files with its
     GGUF kernels) instead of dequantized, unless float32 was asked for (full precision, the
     mode the exactness tests compare in)."""
-    from pagedllm.model_executor.loader.gguf_loader import gguf_is_quantized
+    from pagedllm.transformers_utils.gguf_loader import gguf_is_quantized
 
     if method == "none":
         return None
@@ -189,6 +206,58 @@ def build_model_config(
     )
 
 
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+
+
+def parse_speculative_config(
+    spec: dict | str | None, target: ModelConfig, device: torch.device, quantization: str | None = None
+) -> SpeculativeConfig | None:
+    """From the user's dict (or its JSON, as on the command line) to a checked config.
+    `quantization` is what the user asked for (None: each model's own default), which a draft
+    model gets too."""
+    if spec is None or spec == {}:
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("speculative_config must be a dict (or its JSON)")
+    unknown = set(spec) - _SPEC_KEYS
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method in ("[ngram]", "ngram") or spec.get("model") == "[ngram]":
+        method = "ngram"
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+    config = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    if method == "ngram":
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or lo < 1 or hi < lo:
+            raise ValueError(
+                f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
+        config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
+        return config
+    if not spec.get("model"):
+        raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
+    draft = build_model_config(spec["model"], None, target.dtype, device, target.max_model_len,
+                               target.seed, target.trust_remote_code, quantization)
+    if draft.text_config.vocab_size != target.text_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.text_config.vocab_size}) differs from the target's "
+            f"({target.text_config.vocab_size}); speculation needs the same tokenizer"
+        )
+    config.draft_model_config = draft
+    return config
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine arguments; field names match vLLM's flags."""
@@ -206,6 +275,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Most samples (n, and best_of) per request; more is a ValueError (HTTP 400). Samples beyond
+    # max_num_seqs still run, in waves. 128 is OpenAI's limit on n.
+    max_n: int = 128
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
@@ -218,8 +290,6 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        from pagedllm.spec_decode.config import parse_speculative_config  # imports this module
-
         device = _resolve_device(self.device)
         _check_quantization(self.quantization, device)
         model_config = build_model_config(
@@ -231,6 +301,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -267,6 +339,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                max_n=self.max_n,
             ),
             device_config=DeviceConfig(device=device),
             speculative_config=parse_speculative_config(

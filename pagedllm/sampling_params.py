@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,36 +15,64 @@ _GREEDY_EPS = 1e-5
 # How many top logprobs a request may ask for (vLLM's --max-logprobs default).
 MAX_LOGPROBS = 20
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_INT_FIELDS = ("min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "seed")
+
+
+def check_text(name: str, text: Any) -> None:
+    """A string the tokenizer can take: a lone surrogate (e.g. from a JSON "\\ud800" escape)
+    is not valid Unicode text and makes the tokenizer raise TypeError."""
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text (lone surrogate U+{ord(text[e.start]):04X} "
+                         f"at {e.start})") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 LogitsProcessor = (
     Callable[[list[int], torch.Tensor], torch.Tensor]
     | Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 )
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a JSON schema, a regex, a choice of strings, an EBNF/GBNF
-    grammar or any JSON object. Exactly one of them."""
+    grammar, any JSON object or an xgrammar structural tag. Exactly one of them."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     # JSON only: no free whitespace between tokens (compact JSON; a weak model cannot ramble).
     disable_any_whitespace: bool = False
+    # JSON only: xgrammar's own grammar, without pagedllm's bounds on whitespace and digits
+    # (structured_output/grammar.py), for a model that needs the room.
+    unbounded: bool = False
 
     def __post_init__(self) -> None:
-        given = [
-            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
-        ]
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
-                f"got {given or 'none'}"
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got {given or 'none'}"
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("disable_any_whitespace", "unbounded"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
 
     def key(self) -> tuple[str, str]:
         """(kind, spec) — the cache key of the compiled grammar."""
@@ -58,6 +88,9 @@ class StructuredOutputsParams:
             return "choice", _json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar", self.grammar
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return "structural_tag", tag if isinstance(tag, str) else _json.dumps(tag)
         return "json_object", ""
 
 
@@ -107,12 +140,32 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         self._verify()
         # Union, not assignment: a decoded copy (msgspec runs __post_init__) keeps its EOS ids.
         self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
+        # Types and finiteness first: NaN passes every comparison below unnoticed (a NaN
+        # temperature would sample garbage), and a string would raise TypeError instead.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if (value is not None or name == "min_tokens") and not (
+                _is_int(value) and _INT64_MIN <= value <= _INT64_MAX
+            ):
+                raise ValueError(f"{name} must be a 64-bit integer, got {value!r}")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be finite numbers, got {self.logit_bias}")
+        for name in ("stop", "bad_words"):
+            for i, text in enumerate(getattr(self, name)):
+                check_text(f"{name}: entry {i}", text)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
@@ -145,7 +198,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, get_beam_search_score
+from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, get_beam_search_score
 from tests.utils import make_tiny_model
 
 PROMPTS = [[1, 45, 67, 89, 120, 33], [1] + list(range(50, 70))]  # the second spans a full 16-token block
@@ -125,7 +125,7 @@ def test_stops_at_max_model_len(tiny):
 
 
 def test_score_convention():
-    from pagedllm.beam_search import BeamSearchSequence
+    from pagedllm.entrypoints.beam_search import BeamSearchSequence
 
     seq = BeamSearchSequence([1, 2, 3, 4, 5], cum_logprob=-6.0, num_prompt_tokens=2)
     assert get_beam_search_score(seq, 1.0) == pytest.approx(-2.0)  # 3 generated tokens, prompt not counted

@@ -26,7 +26,7 @@ def default_llm():
 def test_default_model_greedy_matches_transformers(default_llm):
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.model_executor.loader.default_model import resolve_default_model
+    from pagedllm.transformers_utils.default_model import resolve_default_model
 
     gguf_path = resolve_default_model()
     ref_model = AutoModelForCausalLM.from_pretrained(

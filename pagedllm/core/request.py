@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -35,20 +36,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass(slots=True)
-class EngineCoreRequest:
-    """What the front end hands to the engine core: already tokenized and validated."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    arrival_time: float
-    priority: int = 0
-    cache_salt: str | None = None
-    group_id: str | None = None
 
 
 @dataclass(slots=True, eq=False)

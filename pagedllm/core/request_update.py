@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.engine import EngineCoreOutput
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.protocol import EngineCoreOutput
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:

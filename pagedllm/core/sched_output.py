@@ -30,6 +30,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that finished since the last step, so the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # (src, dst) block ids whose K/V the runner copies before the forward pass: the partial
+    # last prompt block a sample of an n > 1 request forks from its sibling (copy-on-write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: [n, vocab/32] int32 bitmask of allowed next tokens, req_id → its first row
     # (a request verifying k drafts has k + 1 consecutive rows).
     grammar_bitmask: Any = None

@@ -4,21 +4,46 @@ There is no prefill or decode phase. Each step hands out a token budget, running
 requests first (so decodes never starve), then waiting ones; a prompt that does
 not fit the budget is chunked. When blocks run out, a running request is
 preempted (its blocks freed, to be recomputed later).
+
+The samples of one n / best_of request (a group) are admitted together: the first prefills
+the prompt while the others wait, then every sibling that fits forks the prompt's blocks
+(see `_admit_forked`) and computes only its last prompt token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.request_update import admissible_drafts, num_lookahead_slots, update_request_with_output
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedllm.engine import EngineCoreOutput
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.protocol import EngineCoreOutput
 from pagedllm.spec_decode.metrics import SpecDecodingStats
+
+
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The live samples of one n / best_of request. While some of them wait, the group holds
+    references on the blocks with the prompt's K/V (positions < prompt length - 1), taken from
+    a sibling that computed it, so they outlive that sibling (it may finish at its first token).
+    The hold is dropped when blocks run short, before anything is preempted."""
+
+    members: list[Request] = field(default_factory=list)
+    prompt_blocks: list[KVCacheBlock] | None = None
+
+
+def shares_prompt(request: Request) -> bool:
+    """Prompt logprobs need every prompt position's logits, so such a sample computes its own."""
+    return (
+        request.group_id is not None
+        and request.sampling_params.prompt_logprobs is None
+        and request.num_prompt_tokens > 1
+    )
 
 
 class Scheduler:
@@ -39,7 +64,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self.group_leaders: dict[str, Request] = {}  # n > 1: the sibling that prefills first
+        self.groups: dict[str, SampleGroup] = {}  # group_id → the samples of one n > 1 request
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the next step
         self.structured_output_manager = structured_output_manager
         # Outputs produced outside a forward pass (e.g. a grammar that failed to compile).
         self.pending_outputs: list[EngineCoreOutput] = []
@@ -56,6 +82,8 @@ class Scheduler:
             request.structured_output = self.structured_output_manager.submit(so_params)
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
+        if request.group_id is not None:
+            self.groups.setdefault(request.group_id, SampleGroup()).members.append(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -80,11 +108,16 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.structured_output = None
-        if request.group_id is not None and self.group_leaders.get(request.group_id) is request:
-            del self.group_leaders[request.group_id]
+        group = self.groups.get(request.group_id) if request.group_id is not None else None
+        if group is not None:
+            group.members.remove(request)
+            if group.prompt_blocks is None and self._computed_prompt(request) and self._has_waiting_sharer(group):
+                self._hold_prompt_blocks(group, request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if group is not None:
+            self._release_idle_group(request.group_id)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -129,6 +162,8 @@ class Scheduler:
             while True:
                 if self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is not None:
                     break
+                if self._release_prompt_holds():
+                    continue  # waiting samples lose their fork before anything running is preempted
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
@@ -144,7 +179,9 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step already had to preempt.
-        skipped: list[Request] = []  # grammars still compiling: they wait, the others go on
+        skipped: list[Request] = []  # grammars still compiling, samples waiting for a sibling's prefill
+        prefilling_groups: set[str] = set()  # groups whose prompt a sibling computes this step
+        holds_released = False
         while (
             not preempted
             and len(self.waiting)
@@ -160,8 +197,22 @@ class Scheduler:
                     self._fail_grammar(request)
                     continue
                 request.status = RequestStatus.WAITING
-            if self._wait_for_sibling(request):
-                break
+            if shares_prompt(request):
+                group_id = request.group_id
+                if group_id not in prefilling_groups and self._prompt_source(group_id) is not None:
+                    admitted = self._admit_forked(request, budget)
+                    if admitted is None:
+                        if not holds_released and self._release_prompt_holds():
+                            holds_released = True
+                            continue
+                        break
+                    num_scheduled[request.request_id] = admitted
+                    budget -= admitted
+                    continue
+                if group_id in prefilling_groups or self._group_is_prefilling(group_id):
+                    prefilling_groups.add(group_id)
+                    skipped.append(self.waiting.pop())  # the rest of the queue goes on meanwhile
+                    continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -169,6 +220,9 @@ class Scheduler:
             num_new = min(num_new, budget)
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
+                if not holds_released and self._release_prompt_holds():
+                    holds_released = True  # then retry: blocks only the holds kept may be free now
+                    continue
                 break
             self.waiting.pop()
             if self.kv_cache_manager.enable_caching:
@@ -179,12 +233,14 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
             if request.group_id is not None:
-                self.group_leaders.setdefault(request.group_id, request)
+                prefilling_groups.add(request.group_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
         for request in reversed(skipped):
             self.waiting.prepend(request)
+        for group_id in list(self.groups):
+            self._release_idle_group(group_id)
         return self._build_output(num_scheduled, preempted)
 
     def _fail_grammar(self, request: Request) -> None:
@@ -194,21 +250,95 @@ class Scheduler:
         self._free_request(request)
         self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {error}"))
 
-    def _wait_for_sibling(self, request: Request) -> bool:
-        """Samples of one prompt (n > 1) start after the first has its prompt in the cache,
-        so they share its blocks (ref counts) instead of computing copies."""
-        if request.group_id is None or not self.kv_cache_manager.enable_caching:
-            return False
-        leader = self.group_leaders.get(request.group_id)
+    # ---- n > 1: samples of one prompt -----------------------------------
+    def _computed_prompt(self, request: Request) -> bool:
+        """A forward pass has written the prompt's K/V into its blocks. (num_computed_tokens runs
+        ahead of the pass only between schedule() and the pass, when nothing frees or forks.)"""
         return (
-            leader is not None
-            and leader.status == RequestStatus.RUNNING
-            and leader.num_computed_tokens < leader.num_prompt_tokens
-        )
+            request.status == RequestStatus.RUNNING or request.is_finished()
+        ) and request.num_computed_tokens >= request.num_prompt_tokens
+
+    def _has_waiting_sharer(self, group: SampleGroup) -> bool:
+        return any(not m.is_finished() and m.status != RequestStatus.RUNNING and shares_prompt(m)
+                   for m in group.members)
+
+    def _hold_prompt_blocks(self, group: SampleGroup, source: Request) -> None:
+        """Reference the blocks with positions < prompt length - 1 of `source` for the group."""
+        num_blocks = -(-(source.num_prompt_tokens - 1) // self.kv_cache_manager.block_size)
+        blocks = self.kv_cache_manager.req_to_blocks[source.request_id][:num_blocks]
+        self.kv_cache_manager.block_pool.touch(blocks)
+        group.prompt_blocks = blocks
+
+    def _release_idle_group(self, group_id: str) -> None:
+        group = self.groups[group_id]
+        if group.prompt_blocks is not None and not self._has_waiting_sharer(group):
+            self.kv_cache_manager.block_pool.free_blocks(reversed(group.prompt_blocks))
+            group.prompt_blocks = None
+        if not group.members:
+            del self.groups[group_id]
+
+    def _release_prompt_holds(self) -> bool:
+        """Blocks ran short: drop every group's prompt blocks (their waiting samples will fork
+        from a running sibling, or recompute). False if there were none."""
+        held = [g for g in self.groups.values() if g.prompt_blocks is not None]
+        for group in held:
+            self.kv_cache_manager.block_pool.free_blocks(reversed(group.prompt_blocks))
+            group.prompt_blocks = None
+        return bool(held)
+
+    def _prompt_source(self, group_id: str) -> list[KVCacheBlock] | None:
+        """The group's prompt blocks: held already, or taken now from a running sibling that
+        computed them in an earlier step."""
+        group = self.groups[group_id]
+        if group.prompt_blocks is None:
+            source = next((m for m in group.members if m.status == RequestStatus.RUNNING
+                           and self._computed_prompt(m)), None)
+            if source is not None:
+                self._hold_prompt_blocks(group, source)
+        return group.prompt_blocks
+
+    def _group_is_prefilling(self, group_id: str) -> bool:
+        """A sibling is computing the prompt: waiting for it beats computing a copy."""
+        return any(m.status == RequestStatus.RUNNING and m.num_computed_tokens < m.num_prompt_tokens
+                   for m in self.groups[group_id].members)
+
+    def _admit_forked(self, request: Request, budget: int) -> int | None:
+        """Admit a sample on its group's prompt blocks: the full ones are shared (ref counts),
+        the partial last one is copied (copy-on-write, one block) into a block of its own, and
+        only the last prompt token (plus, after a preemption, its own output tokens) is computed.
+        Returns the tokens scheduled, or None if it does not fit.
+
+        This needs no prefix caching: the group holds its own references, so with caching
+        disabled the samples still share one prefill; only reuse across requests is lost."""
+        blocks = self.groups[request.group_id].prompt_blocks
+        block_size = self.kv_cache_manager.block_size
+        num_forked = request.num_prompt_tokens - 1
+        num_full = num_forked // block_size
+        num_new = request.num_tokens - num_forked
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_forked + num_new)
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, blocks[:num_full], num_forked, lookahead)
+        if new_blocks is None:
+            return None
+        if num_full < len(blocks):
+            self.block_copies.append((blocks[num_full].block_id, new_blocks[0].block_id))
+        self.waiting.pop()
+        if self.kv_cache_manager.enable_caching:
+            self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_forked)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_forked
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_forked
+        self.running.append(request)
+        return num_new
 
     def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
-        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids)
+        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids,
+                              block_copies=self.block_copies)
         self.finished_req_ids = set()
+        self.block_copies = []
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is None:

@@ -10,12 +10,12 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine import EngineCoreOutputs
 from pagedllm.engine.core_client import MPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
+from pagedllm.protocol import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

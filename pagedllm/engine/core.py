@@ -6,9 +6,9 @@ import logging
 import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.request import EngineCoreRequest, Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs
+from pagedllm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -28,11 +28,18 @@ class EngineCore:
                 f"max_model_len={sched.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
         cache.num_blocks = num_blocks
+        start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
+        blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+        logger.info("KV cache: %d blocks of %d tokens, %.2f GiB; maximum concurrency at max_model_len %d: "
+                    "%.1f requests; in %.1f s", num_blocks, cache.block_size,
+                    num_blocks * self.model_runner.bytes_per_block() / 2**30, sched.max_model_len,
+                    num_blocks / blocks_per_seq, time.perf_counter() - start)
+        start = time.perf_counter()
+        self.model_runner.warm_up()
+        logger.info("Warm-up: one prefill and one decode pass in %.1f s", time.perf_counter() - start)
         self.structured_output_manager = StructuredOutputManager(config.model_config)
         self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
-                    num_blocks * self.model_runner.bytes_per_block() / 2**20)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:

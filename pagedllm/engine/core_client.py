@@ -2,17 +2,23 @@
 
 A reader thread owns the output socket and hands decoded messages to a callback; it
 also watches the process, so a dead core is noticed within a second even when idle.
+Everything to release (the process, the sockets, the IPC directory in the temp dir) sits in a
+`_CoreProcess` that points neither at the client nor at its owner, so a client dropped without
+close() is still collected, and its finalizer (or interpreter exit) releases all of it.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,23 +26,61 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.request import EngineCoreRequest
-from pagedllm.engine import EngineCoreOutputs
-from pagedllm.engine.core_proc import (
-    ABORT,
-    ADD,
-    FAILED,
-    OUTPUTS,
-    READY,
-    SHUTDOWN,
-    UTILITY,
-    UTILITY_RESULT,
-)
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.logger import LOGGING_LEVEL_ENV, level_name
+from pagedllm.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 900.0  # a first start converts the GGUF (~40 s here); be generous
+
+
+class _CoreProcess:
+    """The engine-core process and what the front holds for it; close() releases all of it, once."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pagedllm-")
+        self.input_addr = f"ipc://{os.path.join(self.dir, 'input')}"
+        self.output_addr = f"ipc://{os.path.join(self.dir, 'output')}"
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.send_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self.proc: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
+        self.ready = False  # READY received: the core reads SHUTDOWN; before, it is still loading
+        self.dead = False  # set by close(), or by the reader when the process died
+        self.closed = False
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        closing_live_core = self.is_alive()
+        self.dead = True  # from here on, the core exiting is expected, not a death to report
+        if closing_live_core and not self.ready:
+            self.proc.kill()  # an abandoned start: nothing to finish
+            self.proc.wait(5)
+        elif closing_live_core:
+            try:
+                with self.send_lock:
+                    self.input.send_multipart([EngineCoreRequestType.SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(2)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class MPClient:
@@ -47,109 +91,113 @@ class MPClient:
         on_utility: Callable[[int, bool, Any], None],
         on_dead: Callable[[], None],
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-")
-        input_addr = f"ipc://{os.path.join(self._dir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
-        self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.input.bind(input_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(output_addr)
+        self._core = core = _CoreProcess()
+        self._finalizer = weakref.finalize(self, core.close)
         self.encoder = msgspec.msgpack.Encoder()
-        self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.decoder = msgspec.msgpack.Decoder()
-        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._call_ids = itertools.count()
-        self.on_outputs, self.on_utility, self.on_dead = on_outputs, on_utility, on_dead
-        self.dead = False
+        try:
+            core.input.bind(core.input_addr)
+            core.output.bind(core.output_addr)
+            # A fresh interpreter (not fork: torch and threads do not survive it), logging as this one does.
+            core.proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.engine.core_proc", core.input_addr, core.output_addr],
+                stdin=subprocess.PIPE, env={**os.environ, LOGGING_LEVEL_ENV: level_name()},
+            )
+            core.proc.stdin.write(msgspec.json.encode(engine_args))
+            core.proc.stdin.close()
+            self.ready_info = self._wait_ready()
+            core.ready = True
+        except BaseException:  # a failed start, or Ctrl-C / SIGTERM during it: leave nothing behind
+            self.close()
+            raise
+        # The reader holds the callbacks weakly: it must not keep the client's owner alive.
+        callbacks = [_weak(fn) for fn in (on_outputs, on_utility, on_dead)]
+        core.reader = threading.Thread(target=_read_loop, args=(core, *callbacks), name="EngineCoreOutputReader",
+                                       daemon=True)
+        core.reader.start()
 
-        # A fresh interpreter (not fork: torch and threads do not survive it).
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.engine.core_proc", input_addr, output_addr], stdin=subprocess.PIPE
-        )
-        self.proc.stdin.write(msgspec.json.encode(engine_args))
-        self.proc.stdin.close()
-        self.ready_info = self._wait_ready()
-        self._reader = threading.Thread(target=self._read_loop, name="EngineCoreOutputReader", daemon=True)
-        self._reader.start()
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self._core.proc
+
+    @property
+    def dead(self) -> bool:
+        return self._core.dead
 
     def _wait_ready(self) -> dict:
+        core = self._core
         poller = zmq.Poller()
-        poller.register(self.output, zmq.POLLIN)
+        poller.register(core.output, zmq.POLLIN)
         waited = 0.0
         while waited < _STARTUP_TIMEOUT_S:
             if poller.poll(500):
-                kind, payload = self.output.recv_multipart()
-                if kind == READY:
+                kind, payload = core.output.recv_multipart()
+                if kind == EngineCoreOutputType.READY:
                     return self.decoder.decode(payload)
-                if kind == FAILED:
-                    self.close()
+                if kind == EngineCoreOutputType.FAILED:
                     raise ValueError(self.decoder.decode(payload))
-            if self.proc.poll() is not None:
-                self.close()
-                raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.returncode})")
+            if not core.is_alive():
+                raise RuntimeError(f"engine core process exited during start-up (exit code {core.proc.returncode})")
             waited += 0.5
-        self.close()
         raise RuntimeError("engine core did not start in time")
 
-    def _read_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.output, zmq.POLLIN)
-        while not self.dead:
-            try:
-                ready = poller.poll(500)
-            except zmq.ZMQError:
-                break  # socket closed by shutdown
-            if not ready:
-                if not self.is_alive():
-                    self.dead = True
-                    logger.error("engine core process died (exit code %s)", self.proc.returncode)
-                    self.on_dead()
-                continue
-            kind, payload = self.output.recv_multipart()
-            if kind == OUTPUTS:
-                self.on_outputs(self.outputs_decoder.decode(payload))
-            elif kind == UTILITY_RESULT:
-                self.on_utility(*self.decoder.decode(payload))
-
     def is_alive(self) -> bool:
-        return self.proc.poll() is None
+        return self._core.is_alive()
 
     def _send(self, kind: bytes, payload: Any) -> None:
-        if self.dead:
+        core = self._core
+        if core.dead:
             raise EngineDeadError()
-        with self._send_lock:
-            self.input.send_multipart([kind, self.encoder.encode(payload)])
+        with core.send_lock:
+            core.input.send_multipart([kind, self.encoder.encode(payload)])
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(ADD, request)
+        self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.dead:
-            self._send(ABORT, request_ids)
+        if request_ids and not self._core.dead:
+            self._send(EngineCoreRequestType.ABORT, request_ids)
 
     def call_utility(self, method: str, *args: Any) -> int:
         call_id = next(self._call_ids)
-        self._send(UTILITY, (call_id, method, list(args)))
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return call_id
 
     def close(self) -> None:
-        closing_live_core = getattr(self, "proc", None) is not None and self.is_alive()
-        self.dead = True  # from here on, the core exiting is expected, not a death to report
-        if closing_live_core:
-            try:
-                with self._send_lock:
-                    self.input.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        reader = getattr(self, "_reader", None)
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(2)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
+        """Stop the engine-core process (SHUTDOWN, then kill after 5 s) and release the sockets
+        and the IPC directory. Idempotent; also runs when the client is collected or at exit."""
+        self._finalizer()
+
+
+def _weak(fn: Callable) -> Callable[[], Callable | None]:
+    return weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+
+
+def _read_loop(core: _CoreProcess, on_outputs, on_utility, on_dead) -> None:
+    outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+    decoder = msgspec.msgpack.Decoder()
+    poller = zmq.Poller()
+    poller.register(core.output, zmq.POLLIN)
+    while not core.dead:
+        try:
+            ready = poller.poll(500)
+            if not ready:
+                if not core.is_alive() and not core.dead:
+                    core.dead = True
+                    logger.error("engine core process died (exit code %s)", core.proc.returncode)
+                    _call(on_dead)
+                continue
+            kind, payload = core.output.recv_multipart()
+        except zmq.ZMQError:
+            break  # socket closed by close()
+        if kind == EngineCoreOutputType.OUTPUTS:
+            _call(on_outputs, outputs_decoder.decode(payload))
+        elif kind == EngineCoreOutputType.UTILITY_RESULT:
+            _call(on_utility, *decoder.decode(payload))
+
+
+def _call(ref: Callable[[], Callable | None], *args: Any) -> None:
+    fn = ref()
+    if fn is not None:  # None: the owner is gone, and the client's finalizer is closing everything
+        fn(*args)

@@ -3,14 +3,16 @@
 Front → core: ADD (EngineCoreRequest), ABORT (request ids), UTILITY (call id, method, args),
 SHUTDOWN. Core → front: READY / FAILED once at start, OUTPUTS (EngineCoreOutputs) after
 every step that produced something, UTILITY_RESULT. The busy loop steps while there is work
-and blocks on the input socket while there is none.
+and blocks on the input socket while there is none. The tags and messages are in `pagedllm.protocol`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -18,13 +20,11 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.request import EngineCoreRequest
-from pagedllm.engine import EngineCoreOutputs
+from pagedllm.logger import init_logging
+from pagedllm.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("pagedllm.engine.core_proc")  # also when run as __main__
 
-ADD, ABORT, UTILITY, SHUTDOWN = b"ADD", b"ABORT", b"UTILITY", b"SHUTDOWN"
-READY, FAILED, OUTPUTS, UTILITY_RESULT = b"READY", b"FAILED", b"OUTPUTS", b"UTILITY_RESULT"
 
 # Methods of EngineCore the front may call through UTILITY.
 UTILITY_METHODS = {"get_stats", "reset_prefix_cache"}
@@ -37,20 +37,31 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
     from pagedllm.engine.core import EngineCore
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s core: %(message)s")
+    init_logging(prefix=f"(EngineCore pid={os.getpid()}) ")
+    parent_pid = os.getppid()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
+    start = time.perf_counter()
     try:
-        core = EngineCore(engine_args.create_engine_config())
+        # The front resolved the same arguments a moment ago and logged the model cache it used.
+        gguf_logger = logging.getLogger("pagedllm.transformers_utils.gguf_loader")
+        level = gguf_logger.level
+        gguf_logger.setLevel(max(gguf_logger.getEffectiveLevel(), logging.WARNING))
+        try:
+            config = engine_args.create_engine_config()
+        finally:
+            gguf_logger.setLevel(level)
+        core = EngineCore(config)
     except Exception as e:  # report why, so the front can raise a clear error
-        out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
+        out.send_multipart([EngineCoreOutputType.FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
         out.close(linger=2000)
         return
-    out.send_multipart([READY, encoder.encode(core.get_stats())])
+    logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
+    out.send_multipart([EngineCoreOutputType.READY, encoder.encode(core.get_stats())])
     try:
         EngineCoreProc(core, inp, out, encoder).run_busy_loop()
     except Exception:
@@ -60,6 +71,14 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
         inp.close(linger=0)
         out.close(linger=1000)
         ctx.term()
+        if os.getppid() != parent_pid:  # the front died without closing: its IPC directory is ours to remove
+            _remove_ipc_dir(input_addr)
+
+
+def _remove_ipc_dir(addr: str) -> None:
+    directory = os.path.dirname(addr.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith("pagedllm-"):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class EngineCoreProc:
@@ -90,21 +109,22 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 if outputs.outputs:
-                    self.out.send_multipart([OUTPUTS, self.encoder.encode(outputs)])
+                    self.out.send_multipart([EngineCoreOutputType.OUTPUTS, self.encoder.encode(outputs)])
 
     def _handle(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[1] if len(frames) > 1 else b""
-        if kind == ADD:
+        if kind == EngineCoreRequestType.ADD:
             request = self.request_decoder.decode(payload)
             try:
                 self.core.add_request(request)
             except ValueError as e:
                 logger.warning("rejected request %s: %s", request.request_id, e)
-        elif kind == ABORT:
+        elif kind == EngineCoreRequestType.ABORT:
             aborted = self.core.abort_requests(self.decoder.decode(payload))
             if aborted:
-                self.out.send_multipart([OUTPUTS, self.encoder.encode(EngineCoreOutputs(outputs=aborted))])
-        elif kind == UTILITY:
+                outputs = EngineCoreOutputs(outputs=aborted)
+                self.out.send_multipart([EngineCoreOutputType.OUTPUTS, self.encoder.encode(outputs)])
+        elif kind == EngineCoreRequestType.UTILITY:
             call_id, method, args = self.decoder.decode(payload)
             try:
                 if method not in UTILITY_METHODS:
@@ -112,8 +132,8 @@ class EngineCoreProc:
                 result = (True, getattr(self.core, method)(*args))
             except Exception as e:
                 result = (False, f"{type(e).__name__}: {e}")
-            self.out.send_multipart([UTILITY_RESULT, self.encoder.encode((call_id, *result))])
-        elif kind == SHUTDOWN:
+            self.out.send_multipart([EngineCoreOutputType.UTILITY_RESULT, self.encoder.encode((call_id, *result))])
+        elif kind == EngineCoreRequestType.SHUTDOWN:
             self.running = False
 
 

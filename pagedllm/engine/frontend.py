@@ -3,23 +3,31 @@ process): tokenizer, request processing with the n / best_of fan-out, output pro
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from pagedllm.config import ModelConfig, SchedulerConfig
-from pagedllm.core.request import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor, OutputProcessorResult, ParentRequest
 from pagedllm.engine.processor import Processor, PromptType, fan_out
-from pagedllm.model_executor.loader.tokenizer import get_eos_token_ids, get_tokenizer
+from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Frontend:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
         self.model_config = model_config
         self.scheduling_policy = scheduler_config.policy
+        start = time.perf_counter()
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
         eos = get_eos_token_ids(model_config.model_path, self.tokenizer)
-        self.processor = Processor(model_config, self.tokenizer, eos)
+        logger.info("Tokenizer and config: %s, max_model_len %d, %s, vocabulary %d, in %.1f s",
+                    model_config.architecture, model_config.max_model_len,
+                    str(model_config.dtype).removeprefix("torch."), len(self.tokenizer), time.perf_counter() - start)
+        self.processor = Processor(model_config, self.tokenizer, eos, scheduler_config.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(

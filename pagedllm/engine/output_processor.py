@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprobs import PromptLogprobs, SampleLogprobs, make_logprobs_dict
 from pagedllm.engine.stop_checker import find_stop_string
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.protocol import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -101,9 +101,12 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> OutputProcessorResult:
+        """One RequestOutput per request per call: a parent gets one after all its samples'
+        outputs of the step are applied, not one per sample (which is O(n^2) per step)."""
         now = now or time.time()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        parents: dict[str, ParentRequest] = {}  # touched in this call, in order
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
@@ -113,7 +116,15 @@ class OutputProcessor:
             if state.finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.request_states[out.request_id]
-            result = self._make_output(state)
+            if state.parent is None:
+                results.append(self._request_output(state.request_id, state, [state.completion()],
+                                                    state.finish_reason is not None))
+                continue
+            if state.finish_reason is not None:
+                state.parent.num_finished += 1
+            parents[state.parent.request_id] = state.parent
+        for parent in parents.values():
+            result = self._parent_output(parent)
             if result is not None:
                 results.append(result)
         return OutputProcessorResult(results, to_abort)
@@ -170,12 +181,7 @@ class OutputProcessor:
             state.stop_reason = out.stop_reason
         return stopped_here
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
-        parent = state.parent
-        if parent is None:
-            return self._request_output(state.request_id, state, [state.completion()], state.finish_reason is not None)
-        if state.finish_reason is not None:
-            parent.num_finished += 1
+    def _parent_output(self, parent: ParentRequest) -> RequestOutput | None:
         finished = parent.num_finished == len(parent.children)
         params = parent.params
         if params.best_of > params.n:

@@ -7,17 +7,20 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import ModelConfig
-from pagedllm.core.request import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.protocol import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams, check_text
 
 PromptType = str | list[int] | dict[str, Any]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int], max_n: int | None = None
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.max_n = max_n  # None: no limit
         self.vocab_size = model_config.text_config.vocab_size
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -31,6 +34,7 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            check_text("the prompt", prompt)
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -72,13 +76,18 @@ class Processor:
         return request, text
 
     def _check_token_ids(self, what: str, ids) -> None:
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what} out of vocabulary (size {self.vocab_size}): {bad[:5]}")
 
     def _prepare_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Validate against the model and fill in what needs the tokenizer; never mutates
         the caller's object."""
+        if self.max_n is not None and params.best_of > self.max_n:
+            # best_of >= n; the message names the field the caller set too high.
+            name, value = ("n", params.n) if params.n > self.max_n else ("best_of", params.best_of)
+            raise ValueError(f"{name} ({value}) is more than this engine's max_n ({self.max_n}) samples per "
+                             "request; ask for fewer, or start the engine with a larger --max-n")
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
         if params.logit_bias:
@@ -111,8 +120,10 @@ class Processor:
 
 
 def fan_out(request: EngineCoreRequest) -> list[tuple[str, EngineCoreRequest]]:
-    """n / best_of > 1 → one engine-core request per sample, in one sibling group so the
-    scheduler lets them share the prompt's cached blocks. Seeds differ per sample."""
+    """n / best_of > 1 → one engine-core request per sample, in one group: the scheduler
+    prefills the prompt once and the other samples fork its blocks. Seeds differ per sample.
+    Only sample 0 computes prompt logprobs (the parent's output reports sample 0's), so the
+    others can skip the prompt."""
     params = request.sampling_params
     children = []
     for i in range(params.best_of):
@@ -120,6 +131,8 @@ def fan_out(request: EngineCoreRequest) -> list[tuple[str, EngineCoreRequest]]:
         child_params.n = child_params.best_of = 1
         if params.seed is not None:
             child_params.seed = params.seed + i
+        if i > 0:
+            child_params.prompt_logprobs = None
         if params.best_of > params.n and child_params.logprobs is None:
             child_params.logprobs = 0  # ranking needs the cumulative logprob
         child_id = f"{i}_{request.request_id}"

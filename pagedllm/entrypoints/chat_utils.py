@@ -1,5 +1,5 @@
-"""Chat conversations → prompts: message validation, template choice, Jinja rendering
-(by transformers' `apply_chat_template`) and BOS handling."""
+"""Chat conversations → prompts: message validation, template choice, rendering (bounded
+sandbox: chat_template.py) and BOS handling."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from pagedllm.entrypoints.chat_template import MAX_RENDER_CHARS, render_template
+from pagedllm.sampling_params import check_text
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 _TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -78,18 +79,29 @@ def load_shipped_template(name: str) -> str:
     return (_TEMPLATE_DIR / f"{name}.jinja").read_text(encoding="utf-8")
 
 
+def load_chat_template(chat_template: str) -> str:
+    """An operator's or offline caller's template: Jinja text, or a path to a file holding it
+    (read here, once). Never used for a template that arrives in a request."""
+    if not isinstance(chat_template, str) or not chat_template:
+        raise ValueError("chat_template must be a non-empty Jinja string or a path to a file holding one")
+    path = os.path.expanduser(chat_template)
+    if "\n" not in chat_template and len(chat_template) < 4096 and os.path.isfile(path):
+        return Path(path).read_text(encoding="utf-8")
+    if "{" not in chat_template:
+        raise ValueError(f"chat_template {chat_template!r} is neither an existing file nor a Jinja template")
+    return chat_template
+
+
 def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
     """The explicit template (Jinja text or a file path) wins, then the tokenizer's own,
     then a shipped one for the model family; a model without any gets a clear error."""
     if chat_template is not None:
-        if not isinstance(chat_template, str) or not chat_template:
-            raise ValueError("chat_template must be a non-empty Jinja string or a path to a file holding one")
-        path = os.path.expanduser(chat_template)
-        if "\n" not in chat_template and len(chat_template) < 4096 and os.path.isfile(path):
-            return Path(path).read_text(encoding="utf-8")
-        if "{" not in chat_template:
-            raise ValueError(f"chat_template {chat_template!r} is neither an existing file nor a Jinja template")
-        return chat_template
+        return load_chat_template(chat_template)
+    return default_chat_template(tokenizer)
+
+
+def default_chat_template(tokenizer: Any) -> str:
+    """The tokenizer's own template, else a shipped one for the model family."""
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # named templates: the default one is the chat template
         own = own.get("default")
@@ -100,6 +112,12 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
         return load_shipped_template(name)
     tok_name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     raise ValueError(f"the tokenizer of {tok_name!r} has no chat template; pass chat_template=...")
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """bos_token, eos_token, ... as strings, the variables templates expect."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {k: v if isinstance(v, (str, list)) else str(v) for k, v in tokens.items()}
 
 
 def _avoid_double_bos(tokenizer: Any, text: str) -> str | dict[str, Any]:
@@ -122,28 +140,40 @@ def render_conversations(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    template_is_text: bool = False,
+    max_chars: int = MAX_RENDER_CHARS,
 ) -> list[str | dict[str, Any]]:
-    """One prompt per conversation: a string, or token ids where that avoids a double BOS."""
+    """One prompt per conversation: a string, or token ids where that avoids a double BOS.
+    With `template_is_text`, `chat_template` is taken as Jinja text only, never as a path
+    (a template from a request must not read files)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be an object, got {type(chat_template_kwargs).__name__}")
     extra = dict(chat_template_kwargs or {})
+    bad_keys = [k for k in extra if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"chat_template_kwargs keys must be strings, got {bad_keys[:3]}")
     clash = _RESERVED_KWARGS & set(extra)
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}; use the arguments of chat()")
     conversations = [normalize_conversation(c) for c in split_conversations(messages)]
-    template = resolve_chat_template(tokenizer, chat_template)
+    if template_is_text and chat_template is not None:
+        if not isinstance(chat_template, str) or "{" not in chat_template:
+            raise ValueError("chat_template must be Jinja template text")
+        template = chat_template
+    else:
+        template = resolve_chat_template(tokenizer, chat_template)
+    variables = {**_special_tokens(tokenizer), **extra}
     prompts: list[str | dict[str, Any]] = []
     for i, conv in enumerate(conversations):
         try:
-            text = tokenizer.apply_chat_template(
-                conv,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=template,
-                **extra,
+            text = render_template(
+                template, conv, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, variables=variables, max_chars=max_chars,
             )
-        except TemplateError as e:  # raise_exception() in a template: the user's input is at fault
-            raise ValueError(f"conversation {i}: the chat template rejected it: {e}") from e
+        except ValueError as e:  # raise_exception(), an error, a limit: the input or template is at fault
+            raise ValueError(f"conversation {i}: {e}") from None
+        check_text(f"conversation {i}", text)  # a lone surrogate in a message would break the tokenizer
         prompts.append(_avoid_double_bos(tokenizer, text))
     return prompts

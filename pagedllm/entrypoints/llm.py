@@ -108,7 +108,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[PromptType], params: Any) -> list[Any]:
-        """Beam search over the engine (see pagedllm/beam_search.py)."""
-        from pagedllm.beam_search import run_beam_search
+        """Beam search over the engine (see pagedllm/entrypoints/beam_search.py)."""
+        from pagedllm.entrypoints.beam_search import run_beam_search
 
         return run_beam_search(self, prompts, params)

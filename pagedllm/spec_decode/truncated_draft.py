@@ -18,8 +18,8 @@ import shutil
 
 from safetensors.torch import save_file
 
-from pagedllm.model_executor.loader.model_path import resolve_model_path
-from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
+from pagedllm.transformers_utils.model_path import resolve_model_path
+from pagedllm.transformers_utils.weight_utils import iterate_safetensors
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

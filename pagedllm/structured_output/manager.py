@@ -49,7 +49,7 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         if self._compiler is None:  # the tokenizer is needed only once a grammar request arrives
-            from pagedllm.model_executor.loader.tokenizer import get_eos_token_ids, get_tokenizer
+            from pagedllm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
             mc = self.model_config
             tokenizer = get_tokenizer(mc.tokenizer, mc.trust_remote_code)

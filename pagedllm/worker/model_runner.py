@@ -21,9 +21,9 @@ from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
-from pagedllm.spec_decode.draft_model import DraftModelProposer
-from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
+from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
+from pagedllm.worker.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.step_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,29 @@ class ModelRunner:
             layer.kv_cache = kv
             self.kv_caches.append(kv)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One short prefill and one decode pass, with logits, in block 0, before any request:
+        the first request does not pay for first-call work (the C kernels' build and load,
+        oneDNN's primitive creation, allocator growth). Block 0 is zeroed again afterwards."""
+        sched = self.config.scheduler_config
+        n = max(1, min(self.block_size - 1, sched.max_model_len - 1, sched.max_num_batched_tokens))
+        passes = [([0] * n, 0)] + ([([0], n)] if n + 1 <= sched.max_model_len else [])
+        for tokens, start in passes:
+            step = prepare_inputs([tokens], [start], [[0]], self.block_size, self.device)
+            with set_forward_context(step.attn_metadata):
+                hidden = self.model(step.input_ids, step.positions)
+            self.model.compute_logits(hidden[-1:])
+        for kv in self.kv_caches:
+            kv[:, 0].zero_()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of block src into block dst, in every layer (the draft model's too)."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
     # ---- one step ---------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -95,6 +118,8 @@ class ModelRunner:
         reqs = sched.scheduled
         if not reqs:
             return ModelRunnerOutput([], [])
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
                               [r.block_ids for r in reqs], self.block_size, self.device)
         with set_forward_context(step.attn_metadata):

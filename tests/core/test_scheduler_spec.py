@@ -3,10 +3,9 @@ rolled back, and prefix-cache hashes only ever cover verified tokens."""
 
 from __future__ import annotations
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.spec_decode.config import SpeculativeConfig
 from tests.core.test_scheduler import BS, make_req
 
 

@@ -68,8 +68,8 @@ def test_priority_needs_priority_policy(engine):
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_llama):
-    """n > 1: the siblings wait for the first sample's prompt to be cached, then take
-    references on its full blocks instead of computing their own copies."""
+    """n > 1: the siblings wait for the first sample's prefill, then take references on its
+    full blocks and a copy of its partial last one instead of computing their own."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 22))
     prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16 + 8
     engine.add_request("p", prompt, SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True))
@@ -87,5 +87,84 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama):
     assert shared_refs and shared_refs[0] == [4, 4]
     assert len(finished.outputs) == 4
     stats = engine.get_stats()
-    assert stats["prefix_cache_hits"] == 3 * 32
+    assert stats["prefix_cache_hits"] == 3 * 39  # each sibling computes only the last prompt token
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def _steps_until_finished(engine, request_ids: set[str], max_steps: int = 200) -> dict[str, int]:
+    """The step (1-based) at which each request finished."""
+    done: dict[str, int] = {}
+    for step in range(1, max_steps + 1):
+        done.update((o.request_id, step) for o in engine.step() if o.finished)
+        if request_ids <= set(done):
+            return done
+    raise AssertionError(f"not finished after {max_steps} steps: {request_ids - set(done)}")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8])
+def test_n_samples_finish_in_about_max_tokens_steps(engine, max_tokens):
+    """One prefill step, then every sample decodes in the same steps."""
+    n = 16
+    engine.add_request("p", list(range(10, 50)), SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+    steps = _steps_until_finished(engine, {"p"})["p"]
+    assert steps <= 1 + max_tokens
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize(("n_max_tokens", "steps_before"), [(1, 0), (8, 1)])
+def test_request_sent_during_n_request_is_not_starved(engine, n_max_tokens, steps_before):
+    solo = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("alone", [5, 6, 7, 8], solo)
+    alone = _steps_until_finished(engine, {"alone"})["alone"]
+    engine.add_request("p", list(range(10, 50)), SamplingParams(n=16, temperature=1.0, seed=0,
+                                                                max_tokens=n_max_tokens, ignore_eos=True))
+    for _ in range(steps_before):
+        engine.step()
+    engine.add_request("solo", [5, 6, 7, 8], solo)
+    done = _steps_until_finished(engine, {"p", "solo"})
+    assert done["solo"] <= alone + 1
+    assert done["p"] <= 1 + n_max_tokens
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_forked_samples_match_single_requests(tiny_llama, prefix_caching):
+    """Sample i of an n request is the request alone with seed + i: the forked samples read
+    the first sample's prompt K/V (shared blocks and a copied partial block) correctly."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 22,
+                                                   enable_prefix_caching=prefix_caching))
+    prompt = list(range(10, 50))  # 2 full blocks of 16 + 8 tokens
+    common = dict(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    engine.add_request("p", prompt, SamplingParams(n=4, seed=11, **common))
+    samples = _drain(engine)["p"].outputs
+    for i, sample in enumerate(samples):
+        engine.add_request(f"s{i}", prompt, SamplingParams(seed=11 + i, **common))
+        single = _drain(engine)[f"s{i}"].outputs[0]
+        assert sample.token_ids == single.token_ids
+        assert sample.cumulative_logprob == pytest.approx(single.cumulative_logprob, abs=1e-4)
+    assert len({tuple(s.token_ids) for s in samples}) == 4
+
+
+def test_max_n_rejects_more_samples(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory=1 << 22, max_n=4))
+    engine.add_request("ok", [5, 6], SamplingParams(n=4, temperature=1.0, max_tokens=1))
+    with pytest.raises(ValueError, match=r"^n \(5\) .*max_n \(4\)"):
+        engine.add_request("n", [5, 6], SamplingParams(n=5, temperature=1.0, max_tokens=1))
+    with pytest.raises(ValueError, match=r"^best_of \(5\) .*max_n \(4\)"):
+        engine.add_request("best_of", [5, 6], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=1))
+    assert set(_drain(engine)) == {"ok"}  # the rejected ones left nothing behind
+    with pytest.raises(ValueError, match="max_n"):
+        EngineArgs(model=tiny_llama, max_n=0).create_engine_config()
+
+
+def test_n_request_gives_one_output_per_step(engine):
+    """The samples' outputs of a step are fanned in once, not once per sample (O(n^2))."""
+    engine.add_request("p", [5, 6, 7], SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True))
+    last = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        assert len(outs) <= 1
+        last = outs[-1] if outs else last
+    assert last.finished and [len(c.token_ids) for c in last.outputs] == [3] * 8

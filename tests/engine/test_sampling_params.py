@@ -397,6 +397,16 @@ def test_best_of_returns_best_n_by_cumulative_logprob(llm, tok):
     _assert_all_blocks_free(llm)
 
 
+def test_n_above_max_n_is_rejected(llm, tok):
+    ids = tok(CAFE).input_ids
+    with pytest.raises(ValueError, match=r"n \(129\) .*max_n \(128\)"):
+        _gen(llm, ids, n=129, temperature=1.0, max_tokens=1)
+    with pytest.raises(ValueError, match=r"best_of \(200\) .*max_n \(128\)"):
+        _gen(llm, ids, n=1, best_of=200, temperature=1.0, max_tokens=1)
+    assert len(_gen(llm, ids, n=128, temperature=1.0, max_tokens=1).outputs) == 128
+    _assert_all_blocks_free(llm)
+
+
 def test_best_of_needs_sampling():
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=1, best_of=2, temperature=0)
@@ -542,6 +552,50 @@ def test_invalid_params_raise_at_generate_time(llm, tok, kwargs, field):
         llm.generate(["Hello", "Hello again"], [good, params], use_tqdm=False)
     _assert_all_blocks_free(llm)  # the good request, added first, was dropped too
     assert len(llm.generate("Hello", good, use_tqdm=False)[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5", None, True])
+def test_non_finite_or_non_numeric_floats_raise(field, value):
+    """NaN passed every range check (a NaN temperature sampled <pad> tokens); a string raised TypeError."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),  # was clamped to +100 by the server: forced the token
+    (dict(logit_bias={5: float("inf")}), "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(logit_bias={5: "high"}), "logit_bias"),
+    (dict(max_tokens="16"), "max_tokens"),
+    (dict(max_tokens=2**64), "max_tokens"),
+    (dict(seed=2**63), "seed"),
+    (dict(min_tokens=None), "min_tokens"),
+    (dict(logprobs=1.5), "logprobs"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop=["ok", "\ud800"]), "stop"),
+    (dict(bad_words=["a\udfffb"]), "bad_words"),
+    (dict(bad_words=[5]), "bad_words"),
+])
+def test_invalid_values_and_types_raise_value_error(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("caf\udce9", "not valid Unicode"),  # a lone surrogate: the tokenizer raised TypeError
+    ([5, -1], "out of vocabulary"),
+    ([5, 2**63], "out of vocabulary"),  # was an OverflowError
+    ({"prompt_token_ids": [2**64 + 1]}, "out of vocabulary"),
+    ({"prompt_token_ids": [True, 5]}, "out of vocabulary"),
+])
+def test_invalid_prompts_raise_value_error(llm, prompt, match):
+    good = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["Hello", prompt], good, use_tqdm=False)
+    _assert_all_blocks_free(llm)
+    assert len(llm.generate("Hello", good, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 # ---- clone and generation config ---------------------------------------------------------------------------------

@@ -209,3 +209,15 @@ def test_draft_model_with_mixed_sampling_settings_in_one_batch(tiny_llama, draft
     assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
     assert outs[0].outputs[0].token_ids == _ids(_generate(_engine(tiny_llama), GREEDY, PROMPTS[:1]))[0]
 
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_forked_samples_with_a_draft_model_match_single_requests(tiny_llama, drafts, prefix_caching):
+    """n > 1: the samples that fork the first one's prompt blocks get the draft model's K/V copied
+    too, so each proposes and samples as the request alone with its seed."""
+    spec = {"method": "draft_model", "model": drafts["llama_truncated"], "num_speculative_tokens": 3}
+    llm = _engine(tiny_llama, spec, enable_prefix_caching=prefix_caching)
+    common = dict(temperature=1.0, max_tokens=16, ignore_eos=True)
+    samples = _generate(llm, SamplingParams(n=3, seed=5, **common), PROMPTS[2:3])[0].outputs
+    singles = [_ids(_generate(llm, SamplingParams(seed=5 + i, **common), PROMPTS[2:3]))[0] for i in range(3)]
+    assert [s.token_ids for s in samples] == singles

@@ -142,6 +142,14 @@ def test_chat_guided_json_streamed_equals_non_streamed(client, json_bias):
      "only one structured-output constraint"),
     (dict(extra_body={"guided_json": {"type": "object"}, "structured_outputs": {"choice": ["a"]}}),
      "only one structured-output constraint"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}), "'uniqueItems' at # is not supported"),
+    (dict(extra_body={"guided_json": {"type": "integer", "minimum": "zero"}}), "minimum must be a finite number"),
+    (dict(extra_body={"guided_json": {"$ref": "#/$defs/missing"}}), "missing"),
+    (dict(response_format={"type": "structural_tag"}), "needs a `format`"),
+    (dict(response_format={"type": "structural_tag", "format": {"type": "nope"}}), "nope"),
+    (dict(response_format={"type": "structural_tag", "structures": "x", "triggers": []}), "structures must be"),
+    (dict(extra_body={"structured_outputs": {"unbounded": True}}), "needs a constraint"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_invalid_specs_are_400(client, kwargs, message, stream):
@@ -153,6 +161,27 @@ def test_invalid_specs_are_400(client, kwargs, message, stream):
     assert set(body) >= {"message", "type", "param", "code"} and body["code"] == 400, body
     assert body["type"] == "invalid_request_error", body
     assert message in body["message"], body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_structural_tag(client, stream):
+    """response_format structural_tag, xgrammar's shape: here a tag that must hold the JSON."""
+    fmt = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<r>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</r>"}}
+    for text in _all_stopped(_chat(client, stream, response_format=fmt)):
+        assert text.startswith("<r>") and text.endswith("</r>"), text
+        jsonschema.validate(json.loads(text[3:-4]), SCHEMA)
+
+
+def test_bounded_json_needs_no_steering(client):
+    """No logit bias: the bounded grammar alone ends the JSON; `unbounded` is accepted beside
+    response_format (vLLM's options-only structured_outputs)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    for text in _all_stopped(_chat(client, False, response_format=fmt)):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    resp = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, response_format=fmt,
+                                          extra_body={"structured_outputs": {"unbounded": True}})
+    assert resp.choices[0].message.content is not None
 
 
 def test_server_still_serves_after_errors(client):

@@ -66,7 +66,7 @@ def _latency_cmd(args: argparse.Namespace) -> int:
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
-    from pagedllm.model_executor.loader.tokenizer import get_tokenizer
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
     mc = config.model_config
     return get_tokenizer(mc.tokenizer, mc.trust_remote_code)
@@ -159,7 +159,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 def _run_pagedllm(
     args: argparse.Namespace, engine_args: EngineArgs, prompts: list[list[int]]
 ) -> tuple[float, float, int]:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
@@ -221,7 +222,8 @@ def _run_hf(
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     """Average end-to-end latency of one batch, with TTFT and TPOT from request metrics."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     if args.batch_size < 1 or args.output_len < 1 or args.num_iters < 1:
         raise ValueError("--batch-size, --output-len and --num-iters must be >= 1")

@@ -41,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         default=d.enable_chunked_prefill)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-n", type=int, default=d.max_n,
+                        help="most samples (n, best_of) one request may ask for; more is an error (HTTP 400)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     parser.add_argument("--trust-remote-code", action="store_true")

@@ -24,7 +24,8 @@ def add_generate_parser(subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

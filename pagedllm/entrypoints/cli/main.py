@@ -1,16 +1,16 @@
-"""The `pagedllm` command: generate, bench (and serve, once the server lands)."""
+"""The `pagedllm` command: serve, generate, bench, collect-env."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from pagedllm import __version__
+from pagedllm.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.cli.bench import add_bench_parser
+    from pagedllm.entrypoints.cli.collect_env import add_collect_env_parser
     from pagedllm.entrypoints.cli.generate import add_generate_parser
     from pagedllm.entrypoints.cli.serve import add_serve_parser
 
@@ -20,11 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    add_collect_env_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

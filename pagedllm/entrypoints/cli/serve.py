@@ -8,8 +8,12 @@ import logging
 import os
 import signal
 import socket
+import time
 
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -22,26 +26,55 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer <key>' on /v1/* (default: ${API_KEY_ENV})")
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                        f"(default: ${API_KEY_ENV})")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="with --api-key, leave /metrics open for scrapers (default: it needs the key too)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; default: the model argument")
-    p.add_argument("--chat-template", default=None, help="Jinja chat template, as a file path or inline text")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, as a file path or inline text (read once at start)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` (Jinja text, never a path) in requests; default: 400")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed (default: %(default)s)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="open connections (and in-flight requests) beyond which new ones get 503; "
+                        "default: the open-file limit (raised to its hard maximum) less 256")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection may take to send a complete request head (default: %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     p.add_argument("--allowed-origins", nargs="+", default=None,
                    help="CORS origins to allow (space- or comma-separated); default: no CORS headers")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, help="hermes, llama3_json, mistral or pythonic")
+    p.add_argument("--tool-choice-auto-grammar", action="store_true",
+                   help='tool_choice "auto" under a grammar: plain text or one call in the --tool-call-parser\'s '
+                        "markup (hermes unless given; not pythonic), so a model never tuned for tools can call "
+                        "them; implies --enable-auto-tool-choice")
+    p.add_argument("--max-parallel-tool-calls", type=int, default=8,
+                   help='most calls the grammar allows for tool_choice "required" unless parallel_tool_calls is '
+                        "false (then one) (default: %(default)s)")
     p.add_argument("--reasoning-parser", default=None, help="deepseek_r1 or qwen3")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (server events, access log); pagedllm's own lines follow "
+                        "$PAGEDLLM_LOGGING_LEVEL (default INFO)")
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
-    # uvicorn re-raises the signal that stopped it once it has shut down; turning SIGTERM
-    # into KeyboardInterrupt (as SIGINT already is) lets the engine shut down after it.
+    # uvicorn re-raises the signal that stopped it once it has shut down; turning SIGINT and SIGTERM
+    # into KeyboardInterrupt lets the engine shut down after it. asyncio.run keeps a SIGINT handler
+    # it did not install; its own would only cancel the main task, which the blocking start-up (GGUF
+    # conversion, engine-core start) notices minutes later. An ignored SIGINT (a background job)
+    # stays ignored.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return asyncio.run(_serve(args))
@@ -54,32 +87,53 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import build_app
 
+    start = time.perf_counter()
     sock = _bind(args.host, args.port)  # before the (slow) engine start: a taken port fails fast
-    # Built inside the running loop: the engine binds its output queues to it.
-    engine = AsyncLLM.from_engine_args(engine_args_from_namespace(args))
     try:
-        app = build_app(engine, args)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5)
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
-            mc = engine.model_config
-            names = ", ".join(args.served_model_name or [mc.model or mc.model_path])
-            print(f"pagedllm: serving {names} at http://{host}:{args.port}/v1", flush=True)
-        await task
-        return 0 if server.started else 1
+        # Built inside the running loop: the engine binds its output queues to it.
+        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(args))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        mc = engine.model_config
+        names = ", ".join(args.served_model_name or [mc.model or mc.model_path])
+        started = await serve_http(build_app(engine, args), args, sock, names, start)
+        return 0 if started else 1
     finally:
         engine.shutdown()
         sock.close()
+
+
+async def serve_http(app, args: argparse.Namespace, sock: socket.socket, names: str, start: float) -> bool:
+    """Run uvicorn on a bound socket until it is stopped, with the connection guards of
+    openai/connections.py; returns whether it ever started."""
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.connections import (
+        default_connection_limit,
+        guarded_protocol,
+        install_accept_error_throttle,
+        raise_open_file_limit,
+    )
+
+    limit = args.limit_concurrency or default_connection_limit(raise_open_file_limit())
+    install_accept_error_throttle(asyncio.get_running_loop())
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_keep_alive=args.timeout_keep_alive,
+                            limit_concurrency=limit, http=guarded_protocol(limit, args.header_timeout))
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+        logger.info("Serving %s on http://%s:%d (OpenAI API under /v1), started in %.1f s; at most %d connections",
+                    names, host, args.port, time.perf_counter() - start, limit)
+    await task
+    return server.started
 
 
 def _bind(host: str, port: int) -> socket.socket:

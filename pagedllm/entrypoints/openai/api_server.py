@@ -1,14 +1,10 @@
-"""The FastAPI app: routes, auth / x-request-id / CORS middleware, and exception handlers
-that turn every failure into an OpenAI-style error body.
-
-Middleware is plain ASGI (not BaseHTTPMiddleware), which would buffer and re-wrap the
-receive channel and so hide client disconnects from streaming responses."""
+"""The FastAPI app: routes, middleware (middleware.py: request ids, API key, body-size
+limit; CORS), and exception handlers that turn every failure into an OpenAI-style error body."""
 
 from __future__ import annotations
 
 import json
 import logging
-import secrets
 from collections.abc import Awaitable
 from typing import Any
 
@@ -17,70 +13,36 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm import __version__
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.openai.chat_tools import MAX_PARALLEL_TOOL_CALLS
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, random_id
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.stream_utils import ClientDisconnected
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
 # Union members pydantic names in an error's location ("prompt", "list[int]", 0): not fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-class RequestIdMiddleware:
-    """Echo the client's x-request-id, or a fresh one, on every response."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = Headers(scope=scope).get("x-request-id") or random_id()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["x-request-id"] = request_id
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class ApiKeyMiddleware:
-    """Bearer-token check on /v1/* only: probes (/health, /metrics, /version) stay open."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                error = OpenAIError("Invalid or missing API key; send it as 'Authorization: Bearer <key>'", 401)
-                response = error.to_response()
-                response.headers["www-authenticate"] = "Bearer"
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> OpenAIError:
@@ -92,12 +54,14 @@ def _validation_message(exc: RequestValidationError) -> OpenAIError:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
         return OpenAIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    if err.get("type") == "pagedllm_invalid_value":  # found anywhere in the body: the message names the place
+        return OpenAIError(err.get("msg", "invalid value"), param=err.get("ctx", {}).get("param"))
     field = ".".join(p for p in loc if not _is_type_tag(p))
     msg = err.get("msg", "invalid value")
     k = next((i for i, p in enumerate(loc) if _is_type_tag(p)), None)
     if k is not None:  # a union field fails once per member: say which shapes it accepts
         prefix = loc[:k]
-        tags = [str(e["loc"][k + 1]) for e in errors
+        tags = [str(e["loc"][k + 1]).replace("constrained-", "") for e in errors
                 if [str(p) for p in e.get("loc", ())[1:k + 1]] == prefix and len(e["loc"]) > k + 1]
         field, msg = ".".join(prefix), f"must be one of {', '.join(dict.fromkeys(tags))}"
     # A union field fails once per member; count distinct top-level fields instead.
@@ -136,6 +100,9 @@ def build_app(engine: Any, args: Any) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        tool_choice_auto_grammar=getattr(args, "tool_choice_auto_grammar", False),
+        max_parallel_tool_calls=getattr(args, "max_parallel_tool_calls", MAX_PARALLEL_TOOL_CALLS),
     )
     completion = OpenAIServingCompletion(engine, names, metrics)
     tokenization = OpenAIServingTokenization(chat)
@@ -144,33 +111,34 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 503,
+                                                          stream=True))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await _serve(chat.create(request, raw_request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(CompletionResponse, 400, 401, 404, 413, 503, stream=True))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await _serve(completion.create(request, raw_request))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:
         cards = [ModelCard(id=name, root=model_config.model_path, max_model_len=model_config.max_model_len)
                  for name in names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(request: TokenizeRequest) -> Response:
         async def work() -> Response:
-            return JSONResponse(tokenization.tokenize(request).model_dump(exclude_none=True))
+            return JSONResponse((await tokenization.tokenize(request)).model_dump(exclude_none=True))
         return await _serve(work())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(request: DetokenizeRequest) -> Response:
         async def work() -> Response:
-            return JSONResponse(tokenization.detokenize(request).model_dump())
+            return JSONResponse((await tokenization.detokenize(request)).model_dump())
         return await _serve(work())
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         check = getattr(engine, "check_health", None)
         try:
@@ -182,14 +150,16 @@ def build_app(engine: Any, args: Any) -> FastAPI:
             return OpenAIError(str(e), 503).to_response()
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(None, 401))
     async def version() -> Response:
         return JSONResponse({"version": __version__})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=responses(None, 401, text=True))
     async def show_metrics() -> Response:
         await metrics.refresh(engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    drop_validation_responses(app)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -214,9 +184,13 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> Response:
         return OpenAIError(str(exc), 503).to_response()
 
+    # Added inner to outer: the body limit runs after the key check, both before any parsing.
+    app.add_middleware(BodySizeLimitMiddleware,
+                       max_bytes=getattr(args, "max_request_body_bytes", None) or 8 * 1024 * 1024)
     api_key = getattr(args, "api_key", None)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        open_paths = {"/health"} | ({"/metrics"} if getattr(args, "metrics_no_auth", False) else set())
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     origins = _origins(getattr(args, "allowed_origins", None))
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=True,

@@ -1,9 +1,15 @@
 """Tool calling and reasoning for chat completions.
 
-`tool_choice="required"` and a named function are enforced with structured outputs (a JSON
-schema built from the tools), so even a model never trained for tools produces valid calls.
-`tool_choice="auto"` relies on the model's own markup, parsed by `--tool-call-parser`.
-A `--reasoning-parser` first splits `<think>` reasoning from the answer.
+`tool_choice="required"` and a named function are enforced with structured outputs: a JSON
+schema built from the tools (for `required`, an array of `{"name", "parameters"}` objects:
+one with `parallel_tool_calls=false`, else up to `--max-parallel-tool-calls`, 8 by default),
+so even a model never trained for tools produces valid calls, and stops. `tools` without a
+`tool_choice` means "auto", as in OpenAI's API. "auto" relies on the model's own markup,
+parsed by `--tool-call-parser`; with `--tool-choice-auto-grammar` a structural tag lets the
+output be either plain text or one call in that parser's markup, so a base model can call
+tools too. A call cut short by max_tokens is dropped, the complete ones before it are kept;
+streams send each call's arguments as they are generated (a stream cut mid-call has sent that
+call's beginning). A `--reasoning-parser` first splits `<think>` reasoning from the answer.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ from pagedllm.entrypoints.openai.protocol import (
     random_tool_call_id,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedOutput, ToolParser, is_json_object
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import Status, scan_call_sequence, skip_ws
 from pagedllm.sampling_params import StructuredOutputsParams
+
+MAX_PARALLEL_TOOL_CALLS = 8
+AUTO_TOOL_CHOICE_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+# --tool-choice-auto-grammar: for each parser, (trigger, start of a call up to its arguments, end of a call).
+AUTO_GRAMMAR_MARKUP = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ("<|python_tag|>", '<|python_tag|>{{"name": {name}, "parameters": ', "}"),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{{"name": {name}, "arguments": ', "}]"),
+}
 
 
 def _tools_by_name(request: ChatCompletionRequest) -> dict[str, dict]:
@@ -30,15 +47,20 @@ def _tools_by_name(request: ChatCompletionRequest) -> dict[str, dict]:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
             raise OpenAIError("each tool must be {'type': 'function', 'function': {'name': ...}}", param="tools")
-        out[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(fn["name"], str):
+            raise OpenAIError("a tool's function name must be a string", param="tools")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise OpenAIError(f"the parameters of tool {fn['name']!r} must be a JSON schema object", param="tools")
+        out[fn["name"]] = params
     return out
 
 
 def tool_mode(request: ChatCompletionRequest, auto_enabled: bool) -> tuple[str | None, str | None]:
     """('named', name) | ('required', None) | ('auto', None) | (None, None); 400 on misuse."""
     choice = request.tool_choice
-    if choice is None:  # OpenAI's default with tools is "auto"; without the parser there is no auto
-        choice = "auto" if request.tools and auto_enabled else "none"
+    if choice is None:  # OpenAI's default: "auto" with tools, "none" without
+        choice = "auto" if request.tools else "none"
     if choice == "none":
         return None, None
     tools = _tools_by_name(request)
@@ -46,8 +68,7 @@ def tool_mode(request: ChatCompletionRequest, auto_enabled: bool) -> tuple[str |
         raise OpenAIError(f"tool_choice={choice!r} needs `tools`", param="tool_choice")
     if choice == "auto":
         if not auto_enabled:
-            raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser',
-                              param="tool_choice")
+            raise OpenAIError(AUTO_TOOL_CHOICE_NEEDS_FLAGS, param="tool_choice")
         return "auto", None
     if choice == "required":
         return "required", None
@@ -60,22 +81,58 @@ def tool_mode(request: ChatCompletionRequest, auto_enabled: bool) -> tuple[str |
 
 
 def tool_constraint(
-    request: ChatCompletionRequest, mode: str | None, name: str | None
+    request: ChatCompletionRequest, mode: str | None, name: str | None, *,
+    max_calls: int = MAX_PARALLEL_TOOL_CALLS, auto_grammar: str | None = None,
 ) -> StructuredOutputsParams | None:
-    tools = _tools_by_name(request) if mode in ("named", "required") else {}
+    """The grammar for a tool mode: `auto_grammar` names the parser whose markup "auto" may use
+    (None: "auto" is unconstrained)."""
     if mode == "named":
-        return StructuredOutputsParams(json=tools[name], disable_any_whitespace=True)
+        return StructuredOutputsParams(json=_tools_by_name(request)[name], disable_any_whitespace=True)
     if mode == "required":
         item = {"anyOf": [
             {"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": params},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for n, params in tools.items()
+            for n, params in _tools_by_name(request).items()
         ]}
-        schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
-        if request.parallel_tool_calls is False:
-            schema["maxItems"] = 1
+        most = 1 if request.parallel_tool_calls is False else max_calls
+        schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1, "maxItems": most}
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    if mode == "auto" and auto_grammar is not None:
+        trigger, begin, end = AUTO_GRAMMAR_MARKUP[auto_grammar]
+        tags = [{"type": "tag", "begin": begin.format(name=json.dumps(n)), "end": end,
+                 "content": {"type": "json_schema", "json_schema": params}}
+                for n, params in _tools_by_name(request).items()]
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False,
+               "stop_after_first": True}
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
     return None
+
+
+class RequiredCallsParser(ToolParser):
+    """What the `required` grammar produces: `[{"name": ..., "parameters": {...}}, ...]`."""
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        i = skip_ws(text, 0)
+        if i == len(text):
+            return ParsedOutput()
+        if text[i] != "[":
+            return ParsedOutput(valid=False)
+        seq = scan_call_sequence(text, i + 1, sep=",", close="]")
+        return ParsedOutput(calls=seq.calls, valid=seq.status is not Status.INVALID)
+
+
+def _openai_deltas(calls: list[DeltaToolCall]) -> list[DeltaToolCall]:
+    """As OpenAI streams a call: first its id, type, name and arguments "", then argument pieces."""
+    out = []
+    for t in calls:
+        args = t.function.arguments if t.function else None
+        if t.id is not None and args:
+            out.append(DeltaToolCall(index=t.index, id=t.id, type="function",
+                                     function=DeltaFunctionCall(name=t.function.name, arguments="")))
+            out.append(DeltaToolCall(index=t.index, function=DeltaFunctionCall(arguments=args)))
+        else:
+            out.append(t)
+    return out
 
 
 class ChoiceParser:
@@ -83,7 +140,7 @@ class ChoiceParser:
 
     def __init__(self, mode: str | None, name: str | None, tool_parser: Any, reasoning_parser: Any) -> None:
         self.mode, self.name = mode, name
-        self.tool_parser = tool_parser if mode == "auto" else None
+        self.tool_parser = RequiredCallsParser() if mode == "required" else tool_parser if mode == "auto" else None
         self.reasoning = reasoning_parser
         self.content = ""  # answer text so far (after reasoning)
         self.announced = False
@@ -91,17 +148,13 @@ class ChoiceParser:
     def final(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         reasoning, content = (self.reasoning.extract_reasoning_content(text) if self.reasoning else (None, text))
         content = content or ""
-        if self.mode == "named":
-            return reasoning, None, [ToolCall(function=FunctionCall(name=self.name, arguments=content))]
-        if self.mode == "required":
-            try:
-                calls = json.loads(content)
-                return reasoning, None, [
-                    ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-                    for c in calls
-                ]
-            except (ValueError, KeyError, TypeError):  # cut short (max_tokens): hand back the text
-                return reasoning, content or None, []
+        if self.mode == "named":  # the output is the arguments; cut short, it is no call
+            calls = [ToolCall(function=FunctionCall(name=self.name, arguments=content))]
+            return reasoning, None, calls if is_json_object(content) else []
+        if self.mode == "required":  # the complete calls; one cut short is dropped
+            parsed = self.tool_parser.parse(content, final=True)
+            return reasoning, None, [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+                                     for c in parsed.calls if c.complete and not c.broken and c.name]
         if self.tool_parser is not None:
             extracted = self.tool_parser.extract_tool_calls(content)
             if extracted.tools_called:
@@ -128,14 +181,6 @@ class ChoiceParser:
             if c:
                 calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c)))
             msg.tool_calls = calls or None
-        elif self.mode == "required":
-            if finished:  # the array is known only once complete
-                _, content, calls = self.final_content(self.content)
-                msg.content = content
-                msg.tool_calls = [DeltaToolCall(index=i, id=t.id, type="function",
-                                                function=DeltaFunctionCall(name=t.function.name,
-                                                                           arguments=t.function.arguments))
-                                  for i, t in enumerate(calls)] or None
         elif self.tool_parser is not None:
             d = self.tool_parser.extract_tool_calls_streaming(prev_content, self.content, c or "")
             if finished:
@@ -144,19 +189,13 @@ class ChoiceParser:
                     d = _merge(d, tail)
             if d is not None:
                 msg.content = d.content
-                msg.tool_calls = [DeltaToolCall.model_validate(t.model_dump()) for t in d.tool_calls] or None
+                msg.tool_calls = _openai_deltas([DeltaToolCall.model_validate(t.model_dump())
+                                                 for t in d.tool_calls]) or None
         else:
             msg.content = c
         if msg.content is None and msg.reasoning_content is None and not msg.tool_calls:
             return None
         return msg
-
-    def final_content(self, content: str) -> tuple[None, str | None, list[ToolCall]]:
-        saved, self.reasoning = self.reasoning, None
-        try:
-            return self.final(content)
-        finally:
-            self.reasoning = saved
 
     @property
     def called_tools(self) -> bool:

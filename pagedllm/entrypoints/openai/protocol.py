@@ -7,17 +7,92 @@ serving_engine.py so this file stays a plain schema. Response models are dumped 
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# A token id: a JSON integer, never "5", 5.0 or true (the vocabulary bound is checked by the server).
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+
+# Roles a chat message may have (chat_utils.ALLOWED_ROLES, plus OpenAI's "developer", taken as "system").
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body or a part of one. Strict, as OpenAI's API is: "5" is not an integer nor
+    1 a boolean (an integer is still a float); NaN and ±Infinity are not numbers a request
+    may carry."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class TopLevelRequest(RequestModel):
+    """A whole request body. Python's json module accepts lone surrogates ("\\ud800") and NaN /
+    Infinity, which tokenizers and samplers then choke on; rejected here, anywhere in the body,
+    unknown fields and free-form objects (tools, response_format) included."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _reject_invalid_values(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        model = handler(data)  # typed fields first: their errors name the field precisely
+        if not isinstance(data, BaseModel):
+            _check_values(data)
+        return model
+
+
+def _check_values(data: Any) -> None:
+    """No lone surrogate in any string or key, no non-finite float, anywhere in a parsed
+    JSON body. json.dumps walks it in C and fails on exactly these (allow_nan=False, then the
+    strict UTF-8 encode), so a large valid body costs little; only a failing one is walked
+    again in Python, to name the place."""
+    try:
+        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return
+    except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
+        pass
+    stack = [(data, "")]  # iterative: a deeply nested body cannot exhaust the stack
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise PydanticCustomError(
+                    "pagedllm_invalid_value", "{param}: must be a finite number, got {value}",
+                    {"param": path or "body", "value": str(value)},
+                )
+        elif isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                key_path = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str):
+                    _check_text(k, key_path)
+                items.append((v, key_path))
+            stack.extend(reversed(items))  # popped in document order: the first problem is reported
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed([(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = path.encode("utf-8", "backslashreplace").decode("utf-8") or "body"
+        raise PydanticCustomError(
+            "pagedllm_invalid_value", "{param}: text is not valid Unicode (lone surrogate {char} at {pos})",
+            {"param": where, "char": f"U+{ord(text[e.start]):04X}", "pos": str(e.start)},
+        ) from None
 
 
 # ---- errors ---------------------------------------------------------------
@@ -37,12 +112,12 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- requests -------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(TopLevelRequest):
     """Fields shared by chat and text completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -61,7 +136,7 @@ class SamplingRequest(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -69,7 +144,7 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     echo: bool = False
     priority: int = 0
@@ -86,14 +161,20 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: dict[str, Any] | None = None
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(RequestModel):
     """One message; content parts are checked by chat_utils (only text is supported)."""
 
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        """OpenAI's newer name for the system role; chat templates know only "system"."""
+        return "system" if role == "developer" else role
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -112,7 +193,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     best_of: int | None = None
     logprobs: int | None = None
     max_tokens: int | None = 16
@@ -120,7 +201,7 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(TopLevelRequest):
     """Either `prompt` (text) or `messages` (rendered with the chat template first)."""
 
     model: str | None = None
@@ -134,9 +215,9 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(TopLevelRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ------------------------------------------------------------

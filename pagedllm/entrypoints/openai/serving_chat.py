@@ -13,7 +13,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.chat_utils import render_conversations, resolve_chat_template
-from pagedllm.entrypoints.openai.chat_tools import ChoiceParser, tool_constraint, tool_mode
+from pagedllm.entrypoints.openai.chat_tools import (
+    AUTO_GRAMMAR_MARKUP,
+    MAX_PARALLEL_TOOL_CALLS,
+    ChoiceParser,
+    tool_constraint,
+    tool_mode,
+)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -32,7 +38,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     prompt_logprobs_json,
     usage_info,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -51,13 +57,25 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self, engine: Any, served_model_names: list[str], metrics: ServerMetrics | None, chat_template: str | None,
         tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-        reasoning_parser: str | None = None,
+        reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
+        tool_choice_auto_grammar: bool = False, max_parallel_tool_calls: int = MAX_PARALLEL_TOOL_CALLS,
     ) -> None:
         super().__init__(engine, served_model_names, metrics)
+        self.trust_request_chat_template = trust_request_chat_template
         # --chat-template is read once at startup, so a bad path fails there and not per request.
         self.chat_template = resolve_chat_template(self.tokenizer, chat_template) if chat_template else None
+        if tool_choice_auto_grammar:  # "auto" by grammar: the parser's markup, hermes unless told
+            tool_call_parser = tool_call_parser or "hermes"
+            enable_auto_tool_choice = True
+            if tool_call_parser not in AUTO_GRAMMAR_MARKUP:
+                raise ValueError(f"--tool-choice-auto-grammar works with --tool-call-parser "
+                                 f"{', '.join(AUTO_GRAMMAR_MARKUP)}, not {tool_call_parser}")
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if max_parallel_tool_calls < 1:
+            raise ValueError("--max-parallel-tool-calls must be at least 1")
+        self.auto_grammar = tool_call_parser if tool_choice_auto_grammar else None
+        self.max_parallel_tool_calls = max_parallel_tool_calls
         from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
         from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 
@@ -83,22 +101,29 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and its token ids, exactly as the engine would tokenize it."""
+        """The prompt text and its token ids, exactly as the engine would tokenize it. Blocking
+        (template and tokenizer): servers call it through run_blocking. A request's own
+        `chat_template` is Jinja text, never a path, and only with --trust-request-chat-template."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is not accepted by this server; start it with "
+                              "--trust-request-chat-template to allow it", param="chat_template")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise OpenAIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs.setdefault("tools", tools)
         dicts = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
         try:
             [prompt] = render_conversations(
-                self.tokenizer, dicts, chat_template=chat_template or self.chat_template,
+                self.tokenizer, dicts, chat_template=self.chat_template if chat_template is None else chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template_kwargs=kwargs,
+                chat_template_kwargs=kwargs, template_is_text=True, max_chars=self.max_prompt_chars,
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         if isinstance(prompt, dict):
             return prompt["prompt"], list(prompt["prompt_token_ids"])
-        return prompt, self.encode(prompt)
+        return prompt, self.encode(prompt, param="messages")
 
     def _check(self, request: ChatCompletionRequest) -> None:
         self.check_common(request)
@@ -111,8 +136,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self._check(request)
         model = self.model_name(request.model)
-        text, ids = self.render(
-            request.messages, chat_template=request.chat_template,
+        text, ids = await run_blocking(
+            self.render, request.messages, chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools,
@@ -130,7 +155,10 @@ class OpenAIServingChat(OpenAIServing):
             request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
         )
-        constraint = tool_constraint(request, mode, tool_name)
+        # The auto grammar yields to the request's own constraint: "auto" is then plain auto.
+        auto_grammar = self.auto_grammar if params.structured_outputs is None else None
+        constraint = tool_constraint(request, mode, tool_name, max_calls=self.max_parallel_tool_calls,
+                                     auto_grammar=auto_grammar)
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise OpenAIError("tool_choice cannot be combined with another structured-output constraint",

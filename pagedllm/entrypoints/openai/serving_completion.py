@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     prompt_logprobs_json,
     usage_info,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -67,6 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids = self.encode(item, request.add_special_tokens)
             else:
                 ids = list(item)
+                self.check_token_ids(ids)
             if request.truncate_prompt_tokens is not None:
                 ids = ids[-request.truncate_prompt_tokens:]
             if not ids:
@@ -83,7 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
         model = self.model_name(request.model)
-        prompts = self._prompts(request)
+        prompts = await run_blocking(self._prompts, request)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too

@@ -4,11 +4,15 @@ metrics and a guaranteed abort (a request that stops being read must free its bl
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
@@ -19,12 +23,19 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Template rendering, tokenization and long detokenization run here, off the event loop, so
+# one costly request never stalls /health or the streams of others. Shared by every route:
+# the tokenizer is used from these threads and the loop at once, read-only.
+_PREP_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-prep")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -35,9 +46,11 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
         super().__init__(message)
-        self.message = message
+        # Messages may quote the request (a field name, a value): a lone surrogate from it
+        # would make the UTF-8 encoding of the error body itself fail.
+        self.message = _printable(message)
         self.status = status
-        self.param = param
+        self.param = _printable(param) if param is not None else None
         self.err_type = err_type or ERROR_TYPES.get(status, "invalid_request_error")
 
     def to_body(self) -> dict[str, Any]:
@@ -48,8 +61,39 @@ class OpenAIError(Exception):
         return JSONResponse(self.to_body(), status_code=self.status)
 
 
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def random_id() -> str:
     return uuid.uuid4().hex
+
+
+async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run CPU-bound request preparation in the worker threads and await it."""
+    return await asyncio.get_running_loop().run_in_executor(_PREP_WORKERS, functools.partial(fn, *args, **kwargs))
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in characters: no token covers more text than that, so a
+    text longer than `limit * this` holds more than `limit` tokens (a cheap pre-tokenization
+    guard). Byte-level entries spell a multi-byte character with several characters, which
+    keeps the bound safe."""
+    try:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
+    except Exception:  # an unusual tokenizer: a generous fixed bound
+        logger.debug("could not measure the vocabulary's longest token", exc_info=True)
+        return 64
+
+
+def _vocab_size(model_config: Any, tokenizer: Any) -> int:
+    """The model's vocabulary (what the engine accepts), else the tokenizer's."""
+    try:
+        size = model_config.text_config.vocab_size
+    except AttributeError:
+        size = None
+    return size if isinstance(size, int) and size > 0 else len(tokenizer)
 
 
 def _generation_defaults(model_path: str) -> dict[str, Any]:
@@ -71,6 +115,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size = _vocab_size(engine.model_config, self.tokenizer)
+        # Normalisation may shrink text (NFKC, whitespace): a 4x margin on the bound.
+        self.max_prompt_chars = 4 * (self.max_model_len + 16) * max_chars_per_token(self.tokenizer)
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.default_sampling = _generation_defaults(getattr(engine.model_config, "model_path", ""))
@@ -114,7 +161,24 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """Token ids must be in the model's vocabulary; the tokenizer's decode would
+        otherwise fail on ids beyond 32 bits (OverflowError) before the engine saw them."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"{param}: token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}",
+                              param=param)
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """Reject, before tokenizing it, a text that cannot fit max_model_len tokens."""
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; a text of {len(text)} "
+                "characters cannot fit it. Please shorten the prompt.", param=param,
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_text_length(text, param)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     # ---- request → SamplingParams ----------------------------------------
@@ -135,10 +199,14 @@ class OpenAIServing:
 
         logit_bias = None
         if request.logit_bias:
-            try:  # OpenAI's keys are token ids as strings; values are clamped to its [-100, 100]
-                logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in request.logit_bias.items()}
-            except ValueError:
-                raise OpenAIError("logit_bias keys must be token ids (integers)", param="logit_bias") from None
+            # OpenAI's keys are token ids as strings; values are clamped to its [-100, 100]
+            # (at most 20 digits: int() refuses strings over 4300 digits with a ValueError)
+            if not all(k.isascii() and k.isdigit() and len(k) <= 20 for k in request.logit_bias):
+                raise OpenAIError("logit_bias keys must be token ids (non-negative integers)", param="logit_bias")
+            logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in request.logit_bias.items()}
+            self.check_token_ids(list(logit_bias), "logit_bias")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            self.check_token_ids(getattr(request, name) or [], name)
         try:
             return SamplingParams(
                 n=request.n if request.n is not None else 1,
@@ -227,12 +295,21 @@ def _param_of(message: str, request: SamplingRequest) -> str | None:
     return word if word in type(request).model_fields else None
 
 
+_SO_OPTIONS = ("disable_any_whitespace", "unbounded")
+
+
 def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """One constraint from `structured_outputs`, `response_format` or a legacy guided_* field."""
+    """One constraint from `structured_outputs`, `response_format` or a legacy guided_* field.
+    A `structured_outputs` object holding only options (disable_any_whitespace, unbounded)
+    applies them to the constraint given by response_format or guided_*, as vLLM merges them."""
     found: list[tuple[str, StructuredOutputsParams]] = []
-    if request.structured_outputs is not None:
+    so = request.structured_outputs
+    options: dict[str, Any] = {}
+    if so and set(so) <= set(_SO_OPTIONS):
+        options = so
+    elif so is not None:
         try:
-            found.append(("structured_outputs", StructuredOutputsParams(**request.structured_outputs)))
+            found.append(("structured_outputs", StructuredOutputsParams(**so)))
         except TypeError as e:
             raise OpenAIError(f"structured_outputs: {e}", param="structured_outputs") from None
     fmt = request.response_format or {}
@@ -245,6 +322,8 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         if not isinstance(schema, (dict, str)):
             raise OpenAIError("response_format.json_schema.schema must be a JSON schema", param="response_format")
         found.append(("response_format", StructuredOutputsParams(json=schema)))
+    elif kind == "structural_tag":  # xgrammar's {"format": ...} or vLLM's older {"structures", "triggers"}
+        found.append(("response_format", StructuredOutputsParams(structural_tag=fmt)))
     elif kind != "text":
         raise OpenAIError(f"response_format type {kind!r} is not supported", param="response_format")
     for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -255,4 +334,14 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise OpenAIError(f"give only one structured-output constraint, got {names}", param=found[1][0])
+    if options:
+        if not found:
+            raise OpenAIError(f"structured_outputs with only {', '.join(options)} needs a constraint: "
+                              "response_format, guided_* or one of json, regex, choice, grammar, json_object, "
+                              "structural_tag", param="structured_outputs")
+        found[0] = (found[0][0], StructuredOutputsParams(**{**_fields(found[0][1]), **options}))
     return found[0][1] if found else None
+
+
+def _fields(params: StructuredOutputsParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}

@@ -10,7 +10,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
 
 
 class OpenAIServingTokenization:
@@ -18,7 +18,13 @@ class OpenAIServingTokenization:
         self.chat = chat
         self.tokenizer = chat.tokenizer
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        return await run_blocking(self._tokenize, request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        return await run_blocking(self._detokenize, request)
+
+    def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.chat.model_name(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give exactly one of `prompt` or `messages`", param="prompt")
@@ -36,7 +42,7 @@ class OpenAIServingTokenization:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.chat.max_model_len, token_strs=strs)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    def _detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.chat.model_name(request.model)
         vocab = len(self.tokenizer)
         bad = [t for t in request.tokens if not 0 <= t < vocab]

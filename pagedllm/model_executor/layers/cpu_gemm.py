@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import cpu_isa
+
 # Rows the packing is tuned for; other row counts run the same packed weight.
 _BATCH_HINT = 64
 
 
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 on this CPU (AVX-512 and up); elsewhere its bf16 GEMMs, and its
+    int8 GEMMs with bf16 output, are reference loops, 100-1000x slower. Not under
+    PAGEDLLM_CPU_ISA=avx2, even if torch ran before the cap could reach oneDNN."""
+    available = torch.backends.mkldnn.is_available()
+    return available and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not cpu_isa.capped()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN takes this weight packed: float32 always, bf16 where it runs bf16."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_has_bf16())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@ decode steps where torch's ops run far below memory bandwidth or cost more in pe
 overhead than in work (docs/performance.md).
 
 The C files are compiled on first use with the system's gcc for this CPU (`-march=native`,
-~2 s) into one library in a cache directory keyed by the sources, the flags, the compiler
-and the CPU, and loaded with ctypes, which drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, or
-with PAGEDLLM_CPU_KERNELS=0, `kernels()` is None and every caller keeps its torch path.
+~2 s) into one library in a cache directory keyed by the sources, the flags, the compiler,
+the CPU and the instruction set level (`pagedllm.cpu_isa`), and loaded with ctypes, which
+drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, at a level below
+AVX-512 (an AVX2-only CPU, or PAGEDLLM_CPU_ISA=avx2), or with PAGEDLLM_CPU_KERNELS=0,
+`kernels()` is None and every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pagedllm import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,8 @@ _SIGNATURES = {
     "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
     "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
 }
+# The `cpu_isa` levels csrc/ has code for.
+_KERNEL_ISAS = ("avx512",)
 _STALE_SECONDS = 24 * 3600
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
@@ -58,18 +64,21 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def _build(isa: str) -> ctypes.CDLL:
     cc = os.environ.get("CC", "gcc")
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
     flags = _FLAGS + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     sources = sorted(_SOURCE_DIR.glob("*.c"))
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
-    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id()]).encode())
-    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id(), isa]).encode())
+    target = _cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
     for attempt in range(2):
         if not target.exists():
+            start = time.perf_counter()
             _compile([cc, *flags], sources, target)
+            logger.info("C kernels compiled in %.1f s (first start only: cached in %s)", time.perf_counter() - start,
+                        target)
         try:
             lib = ctypes.CDLL(str(target))
             break
@@ -111,9 +120,12 @@ def kernels() -> ctypes.CDLL | None:
     global _lib
     if _lib is _UNSET:
         _lib = None
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "AMD64"):
+        isa = cpu_isa.selected()
+        if isa not in _KERNEL_ISAS:
+            logger.info("CPU kernels need %s, this CPU runs at %s: using torch ops", " or ".join(_KERNEL_ISAS), isa)
+        elif os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
             try:
-                _lib = _build()
+                _lib = _build(isa)
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
                 logger.info("CPU kernels unavailable, using torch ops: %s", detail.strip().splitlines()[-1:])

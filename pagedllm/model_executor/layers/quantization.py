@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import cpu_isa
 from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
 
 INT4_GROUP_SIZES = (128, 64, 32)  # the kernel takes 32, 64, 128 or 256; the largest that fits is fastest
 _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
@@ -33,13 +35,16 @@ _CHUNK_ROWS = 16384
 _KERNEL_DTYPE = torch.bfloat16
 _PACK_ROWS_HINT = 64  # rows oneDNN tunes its packed int8 layout for; any count runs
 _MAX_KERNEL_K = 65536  # the C kernels' int32 accumulators are sized for inputs up to this
+# torch's int8 GEMV reads the inputs a vector (8 or 16) at a time with no tail: for other
+# widths it reads past the rows (a crash or garbage), so its weights get zero columns up to this.
+_TORCH_INT8_K_MULTIPLE = 16
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8, w ≈ q * scale with q in [-127, 127]: (q [N, K], scale [N] bf16)."""
+def quantize_int8(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8, w ≈ q * scale with q in [-qmax, qmax]: (q [N, K], scale [N] bf16)."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = (w.abs().amax(dim=1) / qmax).clamp(min=1e-12).to(_KERNEL_DTYPE)
+    q = torch.round(w / scale.float()[:, None]).clamp(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -107,6 +112,8 @@ class WeightOnlyQuant(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
         if self.method == "int8":
+            if self.qweight.shape[1] != self.in_features:  # padded for torch's kernel
+                x2 = nn.functional.pad(x2, (0, self.qweight.shape[1] - self.in_features))
             out = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
             out = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
@@ -141,6 +148,8 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
         if method == "int8":
             q, s = quantize_int8(rows)
             deq = dequantize_int8(q, s) if write_back else None
+            if not ours and k % _TORCH_INT8_K_MULTIPLE:
+                q = nn.functional.pad(q, (0, -k % _TORCH_INT8_K_MULTIPLE))
         else:
             q, s = quantize_int4(rows, group)
             deq = dequantize_int4(q, s) if write_back else None
@@ -161,26 +170,33 @@ class DynamicInt8Quant(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # The weight-only int8 format (quantized in slices), repacked for oneDNN.
-        int8 = quantize_weight(weight, "int8", max_rows=0, write_back=False)
-        self.nbytes = int8.qweight.numel() + 4 * int8.scales.numel()
-        self.packed = torch.ops.onednn.qlinear_prepack(int8.qweight, [_PACK_ROWS_HINT, self.in_features])
-        scale = int8.scales
+        # Without VNNI, oneDNN adds pairs of u8 x s8 products in saturating int16: weights up to
+        # 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head).
+        self.qmax = 127 if cpu_isa.has_vnni() else 64
+        # Quantized in slices to bound temporaries, then packed for oneDNN.
+        rows = range(0, self.out_features, _CHUNK_ROWS)
+        parts = [quantize_int8(weight[i : i + _CHUNK_ROWS], self.qmax) for i in rows]
+        qweight, scale = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+        self.nbytes = qweight.numel() + 4 * scale.numel()
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())
         self.register_buffer("w_zero_points", torch.zeros(scale.numel(), dtype=torch.long))
+        # bf16 halves the output's bytes, but only CPUs where oneDNN runs bf16 have a fast
+        # kernel that writes it (elsewhere: a reference loop, seconds per call).
+        self.out_dtype = _KERNEL_DTYPE if onednn_has_bf16() else torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        # Each row's scale is rounded to bf16 before use, so multiplying the bf16 output by it
+        # Each row's scale is rounded to bf16 before use, so multiplying the output by it
         # undoes exactly the scale the row was quantized with.
         scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp_(min=1e-12).to(_KERNEL_DTYPE)
         # u8 with zero point 128, not s8: oneDNN's fast (VNNI) kernels take u8 activations.
         xq = torch.round(xf / scale.float()).add_(128).to(torch.uint8)
         out = torch.ops.onednn.qlinear_pointwise(
-            xq, 1.0, 128, self.packed, self.w_scales, self.w_zero_points, None, 1.0, 0, _KERNEL_DTYPE,
+            xq, 1.0, 128, self.packed, self.w_scales, self.w_zero_points, None, 1.0, 0, self.out_dtype,
             "none", [], "",
         )
-        return out.mul_(scale).to(x.dtype)
+        return out.mul_(scale.to(self.out_dtype)).to(x.dtype)
 
 
 def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -35,4 +35,4 @@ def pack_model(model: nn.Module) -> None:
                 module.packed = pack_weight(weight)
                 nbytes += weight.numel() * weight.element_size()
     if nbytes:
-        logger.info("packed %.0f MB of linear weights for oneDNN", nbytes / 1e6)
+        logger.debug("packed %.0f MB of linear weights for oneDNN", nbytes / 1e6)

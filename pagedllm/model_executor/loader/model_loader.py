@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import time
 
 import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader.cpu_pack import pack_model
-from pagedllm.model_executor.loader.weight_utils import iterate_safetensors
 from pagedllm.model_executor.models.registry import resolve_model_cls
+from pagedllm.transformers_utils.weight_utils import iterate_safetensors
+
+logger = logging.getLogger(__name__)
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model_cls = resolve_model_cls(model_config.architecture)
+    start = time.perf_counter()
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
@@ -30,6 +35,9 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         quantize_model(model, model_config.quantization)
     pack_model(model)
     _release_freed_memory()
+    logger.info("Weights: %s loaded from %s (%s, quantization %s) in %.1f s", model_config.architecture,
+                model_config.model_path, str(model_config.dtype).removeprefix("torch."),
+                model_config.quantization or "none", time.perf_counter() - start)
     return model.eval().requires_grad_(False)
 
 

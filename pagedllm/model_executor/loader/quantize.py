@@ -60,7 +60,7 @@ def quantize_model(model: nn.Module, mode: str) -> None:
                 nbytes += _nbytes(few_rows)
             module.quant = QuantizedLMHead(dynamic, few_rows, top_k)
             nbytes += dynamic.nbytes
-    logger.info("quantized (%s): %.0f MB of quantized weights", mode, nbytes / 1e6)
+    logger.debug("quantized (%s): %.0f MB of quantized weights", mode, nbytes / 1e6)
 
 
 def _nbytes(module: nn.Module) -> int:

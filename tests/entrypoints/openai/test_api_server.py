@@ -111,7 +111,7 @@ def test_completions_stream(client):
 @pytest.mark.parametrize("path, body, status, needle", [
     ("/v1/chat/completions", {"messages": MSGS, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "unknown role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'system', 'user'"),
     ("/v1/chat/completions", {"messages": MSGS, "top_p": 5}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 500}, 400, "maximum context length is 64"),
     ("/v1/chat/completions", {"messages": MSGS, "model": "gpt-4"}, 404, "gpt-4"),
@@ -136,14 +136,119 @@ def test_route_and_json_errors(client):
     assert "JSON" in err["message"]
 
 
-def test_api_key_only_on_v1(fake_engine):
+BIG = 2**63
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # token ids: negative, >= 2^63, >= the vocabulary, wrong type, in every field that takes them
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": [BIG]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, 2**32]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [BIG + 5]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [-3]]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "5"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2.0]}, "prompt"),
+    ("/v1/completions", {"stop_token_ids": [BIG]}, "stop_token_ids"),
+    ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ("/v1/completions", {"stop_token_ids": ["5"]}, "stop_token_ids.0"),
+    ("/v1/completions", {"allowed_token_ids": [384]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [-1]}, "allowed_token_ids.0"),
+    ("/v1/completions", {"logit_bias": {str(BIG): 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # int() refuses > 4300 digits
+    ("/v1/chat/completions", {"logit_bias": {"384": 1}}, "logit_bias"),
+    ("/detokenize", {"tokens": [BIG]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ("/detokenize", {"tokens": ["5"]}, "tokens.0"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+    # a lone surrogate (not valid UTF-8) in any text
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt.1"),
+    ("/v1/completions", {"stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"bad_words": ["\ud800"]}, "bad_words.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "\ud800"}}]},
+     "tools.0.function.name"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    # wrong types
+    ("/v1/chat/completions", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
+    ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),
+    ("/v1/completions", {"echo": 1}, "echo"),
+    ("/v1/completions", {"temperature": []}, "temperature"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    # NaN and ±Infinity, in typed fields and anywhere else in the body
+    ("/v1/completions", {"temperature": float("nan")}, "temperature"),
+    ("/v1/chat/completions", {"temperature": float("inf")}, "temperature"),
+    ("/v1/completions", {"top_p": float("-inf")}, "top_p"),
+    ("/v1/completions", {"presence_penalty": float("nan")}, "presence_penalty"),
+    ("/v1/completions", {"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": float("nan")}}, "logit_bias.5"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": {"maximum": float("inf")}}}},
+     "response_format.json_schema.schema.maximum"),
+    ("/v1/completions", {"some_unknown_field": float("nan")}, "some_unknown_field"),
+])
+def test_hostile_input_is_400_and_never_reaches_the_engine(client, fake_engine, path, body, param):
+    base = {"messages": MSGS, "max_tokens": 2} if path == "/v1/chat/completions" else (
+        {"prompt": "Hello", "max_tokens": 2} if path == "/v1/completions" else {})
+    # Python's json writes NaN / Infinity and keeps \ud800 escaped, as a hostile client's would.
+    content = json.dumps({**base, **body})
+    err = _error(client.post(path, content=content, headers={"content-type": "application/json"}), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert fake_engine.calls == []
+
+
+def test_openapi_document_states_the_real_status_codes(client):
+    doc = client.get("/openapi.json").json()
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            codes = set(op["responses"])
+            assert "422" not in codes, (method, path)
+            assert ("401" in codes) == (path != "/health"), (method, path)
+            if method == "post":
+                assert {"200", "400", "401", "404", "413"} <= codes, (method, path)
+            for code in codes - {"200"}:
+                ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+                assert ref == "#/components/schemas/ErrorResponse", (method, path, code)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert set(doc["paths"][path]["post"]["responses"]["200"]["content"]) == {"application/json",
+                                                                                 "text/event-stream"}
+    assert {"HTTPValidationError", "ValidationError"}.isdisjoint(doc["components"]["schemas"])
+    role = doc["components"]["schemas"]["ChatMessageParam"]["properties"]["role"]
+    assert set(role["enum"]) == {"system", "user", "assistant", "tool", "developer"}
+
+
+def test_developer_role_renders_as_system(client, fake_engine):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "Be brief."}, *MSGS],
+                                                  "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert fake_engine.calls[0][0]["prompt"] == "system: Be brief.\nuser: Hello\nassistant:"
+
+
+def test_api_key_on_every_route_but_health(fake_engine):
     client = TestClient(build_app(fake_engine, _args(api_key="sekrit")))
     err = _error(client.get("/v1/models"), 401)
     assert err["type"] == "authentication_error"
     _error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-    assert client.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
-    for path in ("/health", "/metrics", "/version"):
-        assert client.get(path).status_code == 200
+    _error(client.get("/v1/models", headers={"Authorization": "Basic sekrit"}), 401)
+    _error(client.get("/v1/models", headers={"Authorization": "sekrit"}), 401)
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert client.get("/v1/models", headers={"Authorization": f"{scheme} sekrit"}).status_code == 200
+    assert client.get("/health").status_code == 200
+    for method, path, body in (("get", "/metrics", None), ("get", "/version", None), ("get", "/docs", None),
+                               ("get", "/openapi.json", None), ("post", "/tokenize", {"prompt": "hi"}),
+                               ("post", "/detokenize", {"tokens": [1]}), ("get", "/nothing", None)):
+        _error(client.request(method, path, json=body), 401)
+        ok = client.request(method, path, json=body, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == (404 if path == "/nothing" else 200), (path, ok.text)
+    opened = TestClient(build_app(fake_engine, _args(api_key="sekrit", metrics_no_auth=True)))
+    assert opened.get("/metrics").status_code == 200
+    _error(opened.get("/version"), 401)
 
 
 def test_request_id_header_and_cors(fake_engine):
@@ -238,7 +343,7 @@ def test_serve_cli_flags(monkeypatch):
 
     ns = build_parser().parse_args([
         "serve", "/m", "--host", "127.0.0.1", "--port", "9", "--served-model-name", "a", "b", "--max-model-len", "128",
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--kv-cache-memory", "16MiB",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-n", "16", "--kv-cache-memory", "16MiB",
         "--no-enable-prefix-caching", "--chat-template", "t.jinja", "--dtype", "float32", "--seed", "3",
         "--uvicorn-log-level", "warning", "--allowed-origins", "http://x", "--api-key", "k"])
     assert (ns.host, ns.port, ns.served_model_name, ns.chat_template, ns.uvicorn_log_level, ns.api_key) == (
@@ -246,7 +351,7 @@ def test_serve_cli_flags(monkeypatch):
     ea = engine_args_from_namespace(ns)
     assert (ea.model, ea.max_model_len, ea.max_num_seqs, ea.max_num_batched_tokens, ea.kv_cache_memory) == (
         "/m", 128, 4, 256, 16 << 20)
-    assert not ea.enable_prefix_caching and ea.dtype == "float32" and ea.seed == 3
+    assert not ea.enable_prefix_caching and ea.dtype == "float32" and ea.seed == 3 and ea.max_n == 16
     assert _origins(['["*"]']) == ["*"] and _origins(["a,b", "c"]) == ["a", "b", "c"]
 
 

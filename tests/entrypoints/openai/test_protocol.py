@@ -10,12 +10,15 @@ import pytest
 from pydantic import ValidationError
 
 from pagedllm.engine.logprobs import Logprob
+from pagedllm.entrypoints.chat_utils import ALLOWED_ROLES
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     CompletionRequest,
     DeltaMessage,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.response_utils import (
     DeltaTracker,
@@ -107,6 +110,105 @@ def test_request_schema_accepts_all_prompt_shapes_and_unknown_fields():
         ChatCompletionRequest(messages=[])
     with pytest.raises(ValidationError):
         _chat(truncate_prompt_tokens=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CompletionRequest(prompt=[1, "5"]),  # token ids are JSON integers, never strings,
+    lambda: CompletionRequest(prompt=[1, 2.0]),  # floats
+    lambda: CompletionRequest(prompt=[True]),  # or booleans
+    lambda: CompletionRequest(prompt=[[1], [-2]]),
+    lambda: CompletionRequest(prompt="a", stop_token_ids=["3"]),
+    lambda: CompletionRequest(prompt="a", allowed_token_ids=[-1]),
+    lambda: DetokenizeRequest(tokens=["5"]),
+    lambda: DetokenizeRequest(tokens=[-1]),
+    lambda: CompletionRequest(prompt="a", max_tokens="5"),  # strict scalars, as OpenAI's API
+    lambda: CompletionRequest(prompt="a", echo=1),
+    lambda: CompletionRequest(prompt="a", temperature="0.5"),
+    lambda: _chat(chat_template_kwargs="x"),
+    lambda: _chat(chat_template_kwargs=[1]),
+    lambda: ChatCompletionRequest(messages=[{"role": "robot", "content": "x"}]),
+])
+def test_request_types_are_strict(make):
+    with pytest.raises(ValidationError):
+        make()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "length_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinity_are_rejected_in_float_fields(field, value):
+    with pytest.raises(ValidationError, match="finite"):
+        _chat(**{field: value})
+    with pytest.raises(ValidationError, match="finite"):
+        CompletionRequest(prompt="a", logit_bias={"5": value})
+    assert _chat(**{field: 1}).model_dump()[field] == 1.0  # an integer is still a number
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"maximum": float("inf")}}}},
+     "response_format.json_schema.schema.maximum"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": float("nan")}}}]},
+     "tools.0.function.parameters.default"),
+    ({"unknown_extra": [1, float("-inf")]}, "unknown_extra.1"),
+])
+def test_nan_anywhere_in_the_body_is_rejected(kw, param):
+    with pytest.raises(ValidationError) as e:
+        _chat(**kw)
+    (err,) = e.value.errors()
+    assert err["type"] == "pagedllm_invalid_value" and err["ctx"]["param"] == param
+
+
+@pytest.mark.parametrize("make, param", [
+    (lambda s: CompletionRequest(prompt=s), "prompt"),
+    (lambda s: CompletionRequest(prompt=["ok", s]), "prompt.1"),
+    (lambda s: CompletionRequest(prompt="a", stop=s), "stop"),
+    (lambda s: CompletionRequest(prompt="a", stop=[s]), "stop.0"),
+    (lambda s: CompletionRequest(prompt="a", bad_words=[s]), "bad_words.0"),
+    (lambda s: ChatCompletionRequest(messages=[{"role": "user", "content": s}]), "messages.0.content"),
+    (lambda s: ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": s}]}]),
+     "messages.0.content.0.text"),
+    (lambda s: _chat(chat_template_kwargs={"k": s}), "chat_template_kwargs.k"),
+    (lambda s: TokenizeRequest(prompt=s), "prompt"),
+    (lambda s: TokenizeRequest(messages=[{"role": "user", "content": s}]), "messages.0.content"),
+])
+@pytest.mark.parametrize("text", ["\ud800", "ab\udfffc"])
+def test_lone_surrogates_are_rejected_anywhere(make, param, text):
+    with pytest.raises(ValidationError, match="not valid Unicode") as e:
+        make(text)
+    assert e.value.errors()[0]["ctx"]["param"] == param
+    make("caf\u00e9 \U0001f600")  # valid non-ASCII text, including an astral character, is fine
+
+
+def test_surrogate_in_a_key_is_rejected_and_reported_printably():
+    with pytest.raises(ValidationError, match="not valid Unicode") as e:
+        CompletionRequest(prompt="a", logit_bias={"\ud800": 1})
+    json.dumps(e.value.errors()[0]["ctx"]["param"]).encode("utf-8")  # no lone surrogate left in it
+
+
+def test_chat_roles_and_developer_is_system():
+    for role in ("system", "user", "assistant", "tool"):
+        assert ChatCompletionRequest(messages=[{"role": role, "content": "x"}]).messages[0].role == role
+    assert ChatCompletionRequest(messages=[{"role": "developer", "content": "x"}]).messages[0].role == "system"
+    enum = ChatCompletionRequest.model_json_schema()["$defs"]["ChatMessageParam"]["properties"]["role"]["enum"]
+    assert set(enum) == set(ALLOWED_ROLES) | {"developer"}
+
+
+def test_out_of_vocabulary_ids_are_400_before_any_decode(serving):
+    for kw, param in [({"stop_token_ids": [2**63]}, "stop_token_ids"), ({"allowed_token_ids": [384]},
+                      "allowed_token_ids"), ({"logit_bias": {str(2**64): 1}}, "logit_bias"),
+                      ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"\u0665": 1}}, "logit_bias")]:
+        with pytest.raises(OpenAIError) as e:
+            serving.sampling_params(_chat(**kw), max_tokens=4, logprobs=None, prompt_logprobs=None)
+        assert e.value.status == 400 and e.value.param == param, kw
+    serving.check_token_ids([0, 383])
+    with pytest.raises(OpenAIError, match="out of vocabulary"):
+        serving.check_token_ids([5, 2**63])
+
+
+def test_error_bodies_never_carry_a_lone_surrogate():
+    err = OpenAIError("The model `\ud800` does not exist.", 404, param="a\udfff")
+    json.dumps(err.to_body(), ensure_ascii=False).encode("utf-8")
+    assert err.to_response().status_code == 404
 
 
 def test_chat_logprobs_format():

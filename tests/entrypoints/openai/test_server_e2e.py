@@ -19,6 +19,7 @@ import pytest
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, my name is"}]
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -79,7 +80,7 @@ def client(server) -> openai.OpenAI:
 
 def _metrics(url: str) -> dict[str, float]:
     values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
         if line.startswith("pagedllm:"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0] if "finished_reason" not in name else name] = float(value)
@@ -89,8 +90,8 @@ def _metrics(url: str) -> dict[str, float]:
 def test_models_and_tokenize(client, server):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.owned_by == "pagedllm" and card.model_extra["max_model_len"] == 256
-    tok = httpx.post(f"{server}/tokenize", json={"prompt": "Hello"}).json()
-    assert httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello"
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": "Hello"}, headers=AUTH).json()
+    assert httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"] == "Hello"
 
 
 def test_chat_stream_equals_non_stream_and_usage(client, server):
@@ -98,7 +99,7 @@ def test_chat_stream_equals_non_stream_and_usage(client, server):
     (choice,) = full.choices
     assert full.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason == "length" and choice.message.content
-    n_prompt = httpx.post(f"{server}/tokenize", json={"messages": MSGS}).json()["count"]
+    n_prompt = httpx.post(f"{server}/tokenize", json={"messages": MSGS}, headers=AUTH).json()["count"]
     assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (
         n_prompt, 12, n_prompt + 12)
 
@@ -138,6 +139,14 @@ def test_n_and_prompt_lists(client):
     assert r.usage.completion_tokens == 20
     chat = client.chat.completions.create(model=MODEL, messages=MSGS, n=3, max_tokens=4, temperature=1.0)
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+def test_n_above_max_n_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="max_n") as e:
+        client.completions.create(model=MODEL, prompt="Hello", n=129, max_tokens=1, temperature=1.0)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="max_n"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, n=200, max_tokens=1, temperature=1.0)
 
 
 def test_seed_reproducibility(client):
@@ -259,3 +268,14 @@ def test_engine_core_death_gives_503_and_unhealthy(tiny_llama, tmp_path_factory)
         assert r.status_code == 503 and r.json()["error"]["message"]
     finally:
         gen.close()
+
+
+def test_requests_cannot_read_files(server):
+    """chat_template naming a file: 401 without the key, 400 with it, never the file's text."""
+    for path in ("/proc/self/cmdline", "/proc/self/environ", "/etc/passwd"):
+        body = {"messages": MSGS, "chat_template": path, "return_token_strs": True}
+        assert httpx.post(f"{server}/tokenize", json=body).status_code == 401
+        r = httpx.post(f"{server}/tokenize", json=body, headers=AUTH)
+        assert r.status_code == 400 and API_KEY not in r.text and "root:" not in r.text
+        r = httpx.post(f"{server}/v1/chat/completions", json={**body, "model": MODEL, "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 400 and API_KEY not in r.text

@@ -1,5 +1,5 @@
 """Tool calling through a real server and the openai SDK. A random-weight model never
-learned tools: `required` and named tool_choice still give valid calls because the
+learned tools: `required` and named tool_choice still give valid calls, and stop, because the
 structured-output grammar built from the tools' schemas enforces them."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama, tmp_path_factory):
-    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+             "--trust-request-chat-template")
     gen = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
     url = next(gen)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
@@ -81,12 +82,79 @@ def test_required_and_named_tool_choice_give_valid_calls(client, stream):
             jsonschema.validate(json.loads(entry["args"]), SCHEMAS[entry["name"]])
 
 
+def _streamed_calls(client, **kwargs) -> dict[int, tuple[str, list[tuple[str, str]]]]:
+    """Per choice: (finish_reason, [(name, arguments)]), checking OpenAI's delta shape: a call's
+    first delta has its id, type, name and arguments "", the later ones argument pieces only."""
+    calls: dict[int, dict[int, list]] = {}
+    finish = {}
+    pieces = 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for d in ch.delta.tool_calls or []:
+                mine = calls.setdefault(ch.index, {})
+                if d.id is not None:
+                    assert d.index not in mine and d.type == "function" and d.function.arguments == ""
+                    mine[d.index] = [d.function.name, ""]
+                else:
+                    assert d.function.name is None and d.index in mine
+                    mine[d.index][1] += d.function.arguments
+                    pieces += 1
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    n_calls = sum(len(m) for m in calls.values())
+    assert pieces > 2 * n_calls, "arguments stream in pieces, not one delta per call"
+    return {i: (finish[i], [tuple(calls.get(i, {})[k]) for k in sorted(calls.get(i, {}))]) for i in finish}
+
+
+@pytest.mark.parametrize("max_tokens", [200, 70])
+def test_required_streamed_equals_whole_and_a_cut_keeps_complete_calls(client, max_tokens):
+    """Several calls per choice (parallel_tool_calls by default). Cut by max_tokens, the complete
+    calls are still returned and only the unfinished one is dropped (the stream has sent its
+    start already); finish_reason is then "length". Otherwise streamed == non-streamed."""
+    kwargs = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", temperature=1.0, seed=4,
+                  max_tokens=max_tokens, n=4)
+    resp = client.chat.completions.create(**kwargs)
+    streamed = _streamed_calls(client, **kwargs)
+    cut_with_calls = 0
+    for c in resp.choices:
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        assert c.message.content is None
+        for name, args in calls:
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+        finish, s_calls = streamed[c.index]
+        assert finish == c.finish_reason
+        assert s_calls[:len(calls)] == calls
+        if c.finish_reason == "length":
+            assert len(s_calls) - len(calls) in (0, 1)
+            cut_with_calls += bool(calls)
+        else:
+            assert c.finish_reason == "tool_calls" and s_calls == calls and 1 <= len(calls) <= 8
+    if max_tokens == 70:
+        assert cut_with_calls, "the limit should cut some choice after a complete call"
+
+
+def test_named_tool_cut_short_gives_no_call(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MSGS, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=4, temperature=0)
+    c = resp.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls and c.message.content is None
+
+
 def test_tool_choice_errors(client):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=MODEL, messages=MSGS, tool_choice="required")
+    for params, needle in (({"type": "object", "properties": {"a": {"type": "foo"}}}, 'Unsupported type "foo"'),
+                           ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+                            "uniqueItems")):
+        bad = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            with pytest.raises(openai.BadRequestError, match=needle):
+                client.chat.completions.create(model=MODEL, messages=MSGS, tools=bad, tool_choice=choice)
 
 
 def test_auto_tool_choice_without_markup_is_plain_content(client):

@@ -1,15 +1,17 @@
-"""Building and loading pagedllm's C kernels: cached by source, flags and CPU; and where they
-cannot be built (no compiler, a failing one, turned off), `kernels()` is None and the layers
-use torch."""
+"""Building and loading pagedllm's C kernels: cached by source, flags, CPU and instruction set
+level; and where they cannot be built (no compiler, a failing one, turned off, a level below
+AVX-512), `kernels()` is None and the layers use torch."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
 import torch
 
+from pagedllm import cpu_isa
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 
@@ -27,7 +29,16 @@ def _reload(monkeypatch):
     return cpu_kernels.kernels()
 
 
+def _recording_cc(tmp_path):
+    """gcc, logging each call to the returned log file."""
+    script, log = tmp_path / "recording-cc", tmp_path / "cc.log"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec gcc "$@"\n')
+    script.chmod(0o755)
+    return script, log
+
+
 def test_turned_off_or_failing_compiler_means_torch_paths(fresh, monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_isa, "selected", lambda: "avx512")  # a level that tries to build
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     assert cpu_kernels.kernels() is None
     monkeypatch.delenv("PAGEDLLM_CPU_KERNELS")
@@ -44,21 +55,39 @@ def test_turned_off_or_failing_compiler_means_torch_paths(fresh, monkeypatch, tm
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_below_avx512_nothing_is_built(level, fresh, monkeypatch, tmp_path):
+    """An AVX2-only CPU, or PAGEDLLM_CPU_ISA capping an AVX-512 one: the compiler never runs."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", level)
+    cc, log = _recording_cc(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    assert cpu_isa.selected() == level and cpu_kernels.kernels() is None
+    assert not log.exists() and not fresh.exists()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
+    """Also where this CPU cannot run the kernels: they are built for AVX-512 explicitly, and
+    only loaded (never called) here."""
+    base = ""
     if cpu_kernels.kernels() is None:
-        pytest.skip("pagedllm's CPU kernels cannot be built here")
+        monkeypatch.setattr(cpu_isa, "selected", lambda: "avx512")
+        base = "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16 "
+        monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base)
+        assert _reload(monkeypatch) is not None
     (built,) = fresh.glob("*.so")
+    assert built.name.startswith("cpu_kernels-avx512-")
     assert built.stat().st_mode & 0o444 == 0o444  # readable by others sharing the cache
     stamp = built.stat().st_mtime_ns
     assert _reload(monkeypatch) is not None
     assert list(fresh.glob("*.so")) == [built] and built.stat().st_mtime_ns == stamp
     # other flags are another build; the first stays until it has gone unused for a day
-    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base + "-DPAGEDLLM_TEST_FLAG")
     assert _reload(monkeypatch) is not None
     assert len(list(fresh.glob("*.so"))) == 2
     day_ago = time.time() - 2 * 24 * 3600
     os.utime(built, (day_ago, day_ago))
-    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG=2")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base + "-DPAGEDLLM_TEST_FLAG=2")
     assert _reload(monkeypatch) is not None
     names = {p.name for p in fresh.glob("*.so")}
     assert built.name not in names and len(names) == 2

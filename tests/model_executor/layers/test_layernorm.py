@@ -1,5 +1,6 @@
 """Our RMSNorms against transformers' (Llama and Gemma 3 flavours): bit-identical through
-torch's ops; within float32 rounding (a different summation order) through the C kernel."""
+torch's ops; within float32 rounding (a different summation order) through the C kernel. The
+kernel tests run the torch path where the kernels are not built, and check which one ran."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
 CLASSES = [(RMSNorm, LlamaRMSNorm), (GemmaRMSNorm, Gemma3RMSNorm)]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The calls made to the C RMSNorm, and whether the kernels are built at all."""
+    calls = []
+    kernel = cpu_kernels.rms_norm
+    monkeypatch.setattr(cpu_kernels, "rms_norm", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    return calls, cpu_kernels.kernels() is not None
 
 
 def _pair(ours_cls, ref_cls, dim, dtype):
@@ -32,11 +42,10 @@ def test_torch_path_is_bit_identical(ours_cls, ref_cls, dtype, monkeypatch):
     assert torch.equal(ours(x), ref(x))
 
 
-@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="pagedllm's CPU kernels cannot be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ours_cls, ref_cls", CLASSES)
 @pytest.mark.parametrize("dim", [64, 100, 640])
-def test_kernel_path_matches(ours_cls, ref_cls, dtype, dim):
+def test_kernel_path_matches(ours_cls, ref_cls, dtype, dim, kernel_calls):
     torch.manual_seed(0)
     ours, ref = _pair(ours_cls, ref_cls, dim, dtype)
     x = torch.randn(37, dim, dtype=dtype) * 3
@@ -53,22 +62,24 @@ def test_kernel_path_matches(ours_cls, ref_cls, dtype, dim):
                 diff = (got.float() - want.float()).abs()
                 assert (diff <= want.float().abs() * 2**-7 + 1e-6).all()
                 assert (got != want).float().mean() < 0.01
+    calls, built = kernel_calls
+    assert len(calls) == (2 if built else 0)
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemma_norm_with_residual(dtype, use_kernel, monkeypatch):
+def test_gemma_norm_with_residual(dtype, use_kernel, monkeypatch, kernel_calls):
     """norm(x, residual=r) is r + norm(x), with the norm rounded to the dtype first."""
     if not use_kernel:
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
-    elif cpu_kernels.kernels() is None:
-        pytest.skip("pagedllm's CPU kernels cannot be built here")
     torch.manual_seed(1)
     norm = GemmaRMSNorm(640).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
         x, r = torch.randn(9, 640, dtype=dtype), torch.randn(9, 640, dtype=dtype)
         assert torch.equal(norm(x, residual=r), r + norm(x))
+    calls, built = kernel_calls
+    assert len(calls) == (2 if use_kernel and built else 0)
 
 
 @pytest.mark.parametrize("shape", [(640,), (2, 3, 5, 640)])

@@ -15,12 +15,11 @@ from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbeddin
 
 @pytest.fixture(params=["pagedllm", "torch"])
 def layout(request, monkeypatch):
-    """Which kernels the weight-only formats are packed for: pagedllm's C ones or torch's."""
+    """Which kernels the weight-only formats are packed for: pagedllm's C ones (torch's where
+    they are not built: the layout tests expect), or torch's."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
-    elif cpu_kernels.kernels() is None:
-        pytest.skip("pagedllm's CPU kernels cannot be built here")
-    return request.param
+    return "pagedllm" if request.param == "pagedllm" and cpu_kernels.kernels() is not None else "torch"
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -66,6 +65,19 @@ def test_kernel_matches_dequantized_reference(method, dtype, rows, layout):
     assert rel < (0.1 if method == "int4" else 0.02)
 
 
+@pytest.mark.parametrize("k", [33, 100])
+def test_int8_takes_any_input_width(k, layout):
+    """torch's int8 GEMV reads its inputs 8 or 16 at a time with no tail: its layout pads the
+    weight with zero columns (W8A8, built from the same format, must not see them)."""
+    deq = _weight(48, k)
+    quant = qz.quantize_weight(deq, "int8", max_rows=4)
+    assert quant.layout == layout
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(quant(x).float(), F.linear(x.bfloat16().float(), deq), atol=0.03, rtol=0.02)
+    dyn = qz.DynamicInt8Quant(_weight(48, k))
+    torch.testing.assert_close(dyn(x).double(), _dynamic_reference(x, _weight(48, k), dyn.qmax), atol=2e-3, rtol=8e-3)
+
+
 def test_int4_falls_back_to_int8_for_shapes_it_cannot_pack():
     quant = qz.quantize_weight(_weight(40, 64), "int4", 4)  # 40 rows: not a multiple of 16
     assert quant.method == "int8"
@@ -88,6 +100,7 @@ def test_chunked_quantization_equals_whole(monkeypatch, method, layout):
     monkeypatch.setattr(qz, "_CHUNK_ROWS", 64)
     chunked_w = w.clone()
     chunked = qz.quantize_weight(chunked_w, method, 4)
+    assert whole.layout == chunked.layout == (layout if method == "int8" else "torch")  # int4 g64: torch's
     assert torch.equal(whole.qweight, chunked.qweight) and torch.equal(whole.scales, chunked.scales)
     assert torch.equal(whole_w, chunked_w)
 
@@ -98,6 +111,7 @@ def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch, layout):
         lin.weight.copy_(_weight(32, 64))
         lin.bias.normal_()
         lin.quant = qz.quantize_weight(lin.weight.data, "int8", max_rows=4)
+    assert lin.quant.layout == layout
     calls = []
     kernel = qz.WeightOnlyQuant.forward
     monkeypatch.setattr(qz.WeightOnlyQuant, "forward", lambda *a: calls.append(1) or kernel(*a))
@@ -116,9 +130,10 @@ def test_int4_takes_the_largest_group_that_fits():
     assert qz.int4_group_size(40, 640) is None
 
 
-def _dynamic_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """W8A8 in float64: per-channel int8 weight, each row of x quantized with its bf16 scale."""
-    q, w_scale = qz.quantize_int8(w)
+def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
+    """W8A8 in float64: per-channel int8 weight (in ±qmax), each row of x quantized with its
+    bf16 scale."""
+    q, w_scale = qz.quantize_int8(w, qmax)
     xf = x.float()
     x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12).bfloat16().double()
     xq = torch.round(xf.double() / x_scale)
@@ -132,7 +147,7 @@ def test_dynamic_int8_matches_its_float64_reference(dtype):
     x = (torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
     out = dyn(x)
     assert out.dtype == dtype and out.shape == (5, 96)
-    ref = _dynamic_reference(x, w)
+    ref = _dynamic_reference(x, w, dyn.qmax)
     # int32 accumulation is exact; what is left is the bf16 output and its rescaling.
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=8e-3)
     rel = (out.double() - F.linear(x.double(), w.double())).norm() / ref.norm()

@@ -76,11 +76,14 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 @pytest.mark.parametrize("vocab", [100, 5000, 4096 + 7, 262144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_argmax_is_the_first_maximum(vocab, dtype, use_kernel, monkeypatch):
-    """Through pagedllm's C kernel, and through the chunked torch path."""
+    """Through pagedllm's C kernel (the torch path where it is not built), and through the
+    chunked torch path."""
+    built = cpu_kernels.kernels() is not None
     if not use_kernel:
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
-    elif cpu_kernels.kernels() is None:
-        pytest.skip("pagedllm's CPU kernels cannot be built here")
+    calls = []
+    kernel = cpu_kernels.argmax_rows
+    monkeypatch.setattr(cpu_kernels, "argmax_rows", lambda *a: calls.append(1) or kernel(*a))
     x = torch.randn(7, vocab + 10, generator=torch.Generator().manual_seed(0)).to(dtype)[:, 3 : vocab + 3]
     x[1] = 0  # all tied: index 0
     x[2, -1] = 100  # in the short tail chunk
@@ -90,3 +93,4 @@ def test_greedy_argmax_is_the_first_maximum(vocab, dtype, use_kernel, monkeypatc
     x[6, 5] = float("nan")  # NaN wins, as in max()
     x[0, vocab // 3] = x[0, vocab // 3 + 1] = x[0, vocab - 2] = 60  # same lane, other lanes
     assert torch.equal(greedy_argmax(x), x.max(dim=-1).indices)
+    assert len(calls) == (1 if use_kernel and built else 0)

@@ -14,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pagedllm.config import GGUF_CPU_QUANTIZATION, resolve_quantization  # noqa: E402
-from pagedllm.model_executor.loader.gguf_loader import convert_gguf, gguf_is_quantized  # noqa: E402
+from pagedllm.transformers_utils.gguf_loader import convert_gguf, gguf_is_quantized  # noqa: E402
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -207,7 +207,7 @@ def test_default_model_matches_transformers_gguf_loading() -> None:
     """Uses the default cache on purpose: repeated runs reuse the ~1 GB conversion."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedllm.model_executor.loader.default_model import resolve_default_model
+    from pagedllm.transformers_utils.default_model import resolve_default_model
 
     path = resolve_default_model()
     out = convert_gguf(path)

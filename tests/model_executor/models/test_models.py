@@ -72,14 +72,13 @@ def test_bfloat16_matches_transformers_bfloat16(arch, tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_kernel_head_dim_matches_transformers(arch, dtype, tmp_path, monkeypatch):
     """head_dim 32: decode attention and the q/k norm + rotary run pagedllm's C kernels on CPU
-    (the models above, at 16, take the torch paths), plain and with prefills split into chunks
-    that mix with decodes."""
+    (the models above, at 16, take the torch paths; so does this one where the kernels are not
+    built), plain and with prefills split into chunks that mix with decodes."""
     import torch
 
     from pagedllm.model_executor.layers import cpu_kernels
 
-    if cpu_kernels.kernels() is None:
-        pytest.skip("pagedllm's CPU kernels cannot be built here")
+    built = cpu_kernels.kernels() is not None
     calls = {"paged_decode_attention": [], "qk_norm_rope": []}
     for name, log in calls.items():
         kernel = getattr(cpu_kernels, name)
@@ -93,4 +92,4 @@ def test_cpu_kernel_head_dim_matches_transformers(arch, dtype, tmp_path, monkeyp
         llm = LLM(path, dtype=dtype, **SCENARIOS[scenario])
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert_greedy_match([o.outputs[0].token_ids for o in outs], ref, tol=1e-3 if dtype == "float32" else 0.05)
-    assert all(calls.values()), calls
+    assert all(calls.values()) if built else not any(calls.values()), calls

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> HF `architectures` entry, keyed by HF model_type.
 _ARCHITECTURES = {
@@ -84,7 +88,11 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     final = root / key
     if (final / _DONE).is_file():
         _remove_superseded(root, src, keep=final)
+        logger.info("GGUF %s: reusing its conversion cached in %s", os.path.basename(src), final)
         return str(final)
+    logger.info("GGUF %s: converting to a float32 HF checkpoint (first start only: cached in %s)",
+                os.path.basename(src), final)
+    start = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(root, key)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=root))
@@ -102,6 +110,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _remove_superseded(root, src, keep=final)
+    logger.info("GGUF conversion took %.1f s", time.perf_counter() - start)
     return str(final)
 
 
@@ -284,9 +293,12 @@ def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
     import gguf
     import torch
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    bar = tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", dynamic_ncols=True,
+               disable=not logger.isEnabledFor(logging.INFO))
+    for t in bar:
         hf = _hf_name(t.name, arch)
         if hf is None:
             continue

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
-from pagedllm.model_executor.loader.default_model import DEFAULT_MODEL, resolve_default_model
+from pagedllm.transformers_utils.default_model import DEFAULT_MODEL, resolve_default_model
 
 
 def resolve_model_path(model: str | None) -> str:
     """Default name or None → the packaged Gemma GGUF; a .gguf file → its cached
     conversion; an HF directory → itself. Anything else is a clear ValueError."""
-    from pagedllm.model_executor.loader.gguf_loader import convert_gguf
+    from pagedllm.transformers_utils.gguf_loader import convert_gguf
 
     if model is None or model == DEFAULT_MODEL:
         return convert_gguf(resolve_default_model())

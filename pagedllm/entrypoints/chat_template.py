@@ -1,0 +1,284 @@
+"""Chat-template rendering with limits: Jinja's ImmutableSandboxedEnvironment, plus a time
+limit, an output-size limit and size checks on the operations that can build a huge value
+in one C call (`"a" * 10**10`, `x|center(10**9)`, `"%999999999d" % 1`).
+
+Templates are code. A model's own template, or one an operator passes with
+--chat-template, is trusted to be correct but not to be cheap on every input; a template
+sent in a request is untrusted. Both render here, with the same variables transformers'
+`apply_chat_template` gives them (messages, tools, documents, add_generation_prompt, the
+tokenizer's special tokens, raise_exception, strftime_now), so the text is the same.
+
+The time limit is enforced by a line tracer on the template's compiled frames only, so a
+loop with an empty body is stopped as surely as one that calls functions; it runs in the
+thread that renders (the server renders in a worker thread, never on its event loop)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.utils import Namespace
+
+RENDER_TIMEOUT_S = 5.0
+MAX_RENDER_CHARS = 16 * 1024 * 1024
+MAX_RANGE = 100_000
+_TEMPLATE_FILENAME = "<pagedllm chat template>"
+_FORMAT_WIDTHS = re.compile(r"(?:%|:)[-#0 +<>^=_,]*(\d*)(?:\.(\d+))?")
+_CONTINUE_TAG = "PAGEDLLM_CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class ChatTemplateError(ValueError):
+    """The template failed, ran too long or produced too much: the request's fault."""
+
+
+class _Budget:
+    """Deadline and size limit of the render in progress (one per render call)."""
+
+    __slots__ = ("deadline", "max_chars")
+
+    def __init__(self, timeout_s: float, max_chars: int) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.max_chars = max_chars
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateError("the chat template took too long to render")
+
+    def check_size(self, n: int, what: str = "a value") -> None:
+        if n > self.max_chars:
+            raise ChatTemplateError(f"the chat template built {what} larger than {self.max_chars} characters")
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask templates): the body only."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+class _TemplateNamespace(Namespace):
+    """namespace() that refuses underscore names (no reach into Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's own signature trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _check_public(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_public(name)
+        Namespace.__setitem__(self, name, value)
+
+
+def _check_public(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"chat templates may not use underscore names on a namespace: {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: no HTML escaping, json.dumps' options."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with every value-building operation checked against the active budget."""
+
+    intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+        for name, fn in list(self.filters.items()):
+            self.filters[name] = self._bounded(fn)
+        self.filters["tojson"] = self._bounded(_tojson)
+        self.globals.update(
+            raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_TemplateNamespace,
+            dict=_make_dict, range=self._range,
+        )
+
+    def _limits(self) -> _Budget:
+        budget = getattr(_ACTIVE, "budget", None)
+        if budget is None:
+            raise ChatTemplateError("chat templates render only through render_template")
+        return budget
+
+    def _check_args(self, args: tuple, kwargs: dict) -> None:
+        budget = self._limits()
+        budget.check_time()
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > budget.max_chars:
+                raise ChatTemplateError(f"the chat template passed a number too large ({value})")
+
+    def _bounded(self, fn: Callable) -> Callable:
+        """A filter whose numeric arguments and result are checked (center(10**9), ...)."""
+        @functools.wraps(fn)
+        def filter_(*args: Any, **kwargs: Any) -> Any:
+            self._check_args(args[1:], kwargs)
+            result = fn(*args, **kwargs)
+            self._limits().check_size(_size(result), "a filter result")
+            return result
+        return filter_
+
+    def _range(self, *args: int) -> Any:
+        r = range(*args)
+        if len(r) > MAX_RANGE:
+            raise ChatTemplateError(f"range() of more than {MAX_RANGE} items in the chat template")
+        return r
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        budget = self._limits()
+        budget.check_time()
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(times, int) and _size(seq):
+                    budget.check_size(_size(seq) * max(times, 0), "a repeated value")
+        elif operator == "+":
+            budget.check_size(_size(left) + _size(right), "a concatenation")
+        elif operator == "**":
+            if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
+                raise ChatTemplateError("the chat template computed a power too large")
+        elif operator == "%" and isinstance(left, str):
+            _check_format_widths(left, budget)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (kwargs may be "self")
+        __self._check_args(args, kwargs)
+        result = ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
+        __self._limits().check_size(_size(result), "a call result")
+        return result
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """str.format / format_map, with the format string's widths checked first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt = str(value.__self__)
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            _check_format_widths(fmt, self._limits())
+            return wrapped(*args, **kwargs)
+        return checked
+
+
+def _check_format_widths(fmt: str, budget: _Budget) -> None:
+    """'%999999999d' / '{:999999999}' would allocate their width before any check could run."""
+    for width, precision in _FORMAT_WIDTHS.findall(fmt):
+        for digits in (width, precision):
+            if digits and (len(digits) > 9 or int(digits) > budget.max_chars):
+                raise ChatTemplateError("the chat template formats with a width too large")
+
+
+def _make_dict(*args: Any, **kwargs: Any) -> dict:
+    return dict(*args, **kwargs)
+
+
+_ENV = BoundedEnvironment()
+_ACTIVE = threading.local()  # the budget of the render running in this thread
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    return _ENV.from_string(source)
+
+
+def _tracer(budget: _Budget) -> Callable:
+    """sys.settrace hook: per-line deadline checks inside the template's own frames only."""
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            budget.check_time()
+        return local
+
+    def global_(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename == "<template>":
+            return local
+        return None
+    return global_
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Templates read reasoning as `reasoning_content` (most) or `thinking` (gpt-oss)."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k) is not None), None)
+        out.append({"thinking": reasoning, **m, "reasoning_content": reasoning} if reasoning is not None else m)
+    return out
+
+
+def render_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    variables: dict[str, Any] | None = None,
+    timeout_s: float = RENDER_TIMEOUT_S,
+    max_chars: int = MAX_RENDER_CHARS,
+) -> str:
+    """Render one conversation. Raises ChatTemplateError (a ValueError) for a template that
+    does not compile, raises, runs past `timeout_s` or writes more than `max_chars`."""
+    messages = _alias_reasoning([dict(m) for m in messages])
+    if continue_final_message:  # a tag marks where the final message ends, wherever the template puts it
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ChatTemplateError("continue_final_message needs a final message with text content")
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
+    try:
+        template = _compile(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+    budget = _Budget(timeout_s, max_chars)
+    context = {**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
+    context.setdefault("tools", None)
+    context.setdefault("documents", None)
+    parts: list[str] = []
+    total = 0
+    previous_trace = sys.gettrace()
+    _ACTIVE.budget = budget
+    sys.settrace(_tracer(budget))
+    try:
+        for chunk in template.generate(**context):
+            total += len(chunk)
+            budget.check_size(total, "a prompt")
+            parts.append(chunk)
+    except ChatTemplateError:
+        raise
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError,
+            MemoryError) as e:
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.settrace(previous_trace)
+        _ACTIVE.budget = None
+    text = "".join(parts)
+    if continue_final_message:
+        cut = text.rfind(_CONTINUE_TAG.strip())
+        if cut < 0:
+            raise ChatTemplateError("continue_final_message: the chat template dropped the final message's text")
+        # A template that trims the message also trimmed the tag's space: trim the text the same way.
+        text = text[:cut] if text.startswith(_CONTINUE_TAG, cut) else text[:cut].rstrip()
+    return text

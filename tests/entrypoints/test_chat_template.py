@@ -1,0 +1,139 @@
+"""The bounded chat-template renderer: the same text as transformers' apply_chat_template on
+real templates, and a clear ChatTemplateError (never a hang, a huge allocation or a sandbox
+escape) for hostile ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pagedllm.entrypoints.chat_template import ChatTemplateError, render_template
+from pagedllm.entrypoints.chat_utils import load_shipped_template, render_conversations
+
+MSGS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2? "},
+    {"role": "assistant", "content": "4", "reasoning_content": "adding"},
+    {"role": "user", "content": "Weather in Paris?"},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if tools %}Tools: {% for t in tools %}{{ t | tojson(indent=2) }}{% endfor %}{% endif %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+QWEN_LIKE = (
+    "{%- set ns = namespace(sys=false) %}{%- for message in messages %}"
+    "{%- if message.role == 'system' %}{%- set ns.sys = true %}{%- endif %}"
+    "{%- if message.reasoning_content is defined and message.role == 'assistant' %}"
+    "<|im_start|>{{ message.role }}\n<think>{{ message.reasoning_content }}</think>{{ message.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- if loop.last and ns.sys %}{# seen #}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{% generation %}{% endgeneration %}{{ strftime_now('%Y') | length }}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("template", [LLAMA3_LIKE, QWEN_LIKE, "gemma"], ids=["llama3", "qwen", "gemma"])
+@pytest.mark.parametrize("mode", ["generation_prompt", "continue_final", "tools"])
+def test_same_text_as_transformers(tok, template, mode):
+    source = load_shipped_template("gemma") if template == "gemma" else template
+    msgs = [dict(m) for m in MSGS]
+    kwargs = {"add_generation_prompt": mode != "continue_final", "continue_final_message": mode == "continue_final"}
+    if mode == "continue_final":
+        msgs.append({"role": "assistant", "content": "It is sunny "})
+    extra = {"tools": TOOLS} if mode == "tools" else {}
+    want = tok.apply_chat_template(msgs, tokenize=False, chat_template=source, **kwargs, **extra)
+    (got,) = render_conversations(tok, msgs, chat_template=source, chat_template_kwargs=extra, **kwargs)
+    assert got == want
+
+
+@pytest.mark.parametrize("source, match", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "too long"),
+    ("{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}", "too long"),
+    ("{% for m in messages %}{% for a in messages %}{% for b in messages %}{% for c in messages %}"
+     "{% for d in messages %}{% endfor %}{% endfor %}{% endfor %}{% endfor %}{% endfor %}", "too long"),
+    ('{{ "a" * 10000000000 }}', "repeated value"),
+    ('{{ "a" | center(1000000000) }}', "number too large"),
+    ('{{ "%999999999d" % 1 }}', "width too large"),
+    ('{{ "{:999999999}".format(1) }}', "width too large"),
+    ("{{ 10 ** 100000000 }}", "power too large"),
+    ('{% set ns = namespace(x="ab") %}{% for i in range(60) %}{% set ns.x = ns.x + ns.x %}{% endfor %}',
+     "concatenation"),
+    ('{% for i in range(100000) %}{{ "x" * 1000 }}{% endfor %}', "larger than"),
+    ("{{ range(10000000) | list }}", "range|too large"),
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ raise_exception('no system messages') }}", "no system messages"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    ("{% set ns = namespace() %}{% set ns.__class__ = 1 %}", "underscore"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ unclosed }", "does not compile"),
+])
+def test_hostile_templates_fail_fast_and_clearly(source, match):
+    msgs = [{"role": "user", "content": "hi"}] * 40
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=match):
+        render_template(source, msgs, add_generation_prompt=True, timeout_s=0.5, max_chars=1_000_000)
+    assert time.monotonic() - start < 5
+
+
+def test_limits_do_not_leak_to_other_threads_or_tracers():
+    """The tracer is the render's own and is removed after it; another thread's render has its own budget."""
+    import sys
+
+    before = sys.gettrace()
+    errors = []
+
+    def slow():
+        try:
+            render_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                            [{"role": "user", "content": "x"}], add_generation_prompt=True, timeout_s=0.3)
+        except ChatTemplateError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    out = render_template("{{ messages[0].content }}", [{"role": "user", "content": "ok"}], add_generation_prompt=False)
+    t.join()
+    assert out == "ok" and len(errors) == 1 and sys.gettrace() is before
+
+
+def test_request_style_template_is_never_a_path(tok, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the key")
+    with pytest.raises(ValueError, match="Jinja template text"):
+        render_conversations(tok, [{"role": "user", "content": "hi"}], chat_template=str(secret),
+                             template_is_text=True)
+    # the operator's / offline form still reads a file
+    (got,) = render_conversations(tok, [{"role": "user", "content": "hi"}], chat_template=str(secret))
+    assert got == "the key"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ("not a dict", "must be an object"),
+    ({1: "x"}, "keys must be strings"),
+])
+def test_chat_template_kwargs_of_the_wrong_type(tok, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        render_conversations(tok, [{"role": "user", "content": "hi"}], chat_template=LLAMA3_LIKE,
+                             chat_template_kwargs=kwargs)
+
+
+def test_lone_surrogate_in_a_message_is_a_value_error(tok):
+    with pytest.raises(ValueError, match="lone surrogate"):
+        render_conversations(tok, [{"role": "user", "content": "hi \ud800"}], chat_template=LLAMA3_LIKE)

@@ -1,0 +1,175 @@
+"""Shutdown leaves nothing behind: `pagedllm serve` stopped by SIGINT or SIGTERM, a start that
+fails in the engine core, and an engine dropped without shutdown() leave no child process, no
+IPC directory (`pagedllm-*` in the temp dir) and no listening port. The server's start-up log names
+each phase."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm.engine.async_llm import AsyncLLM
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ipc_dirs(tmpdir: Path) -> list[str]:
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith("pagedllm-"))
+
+
+def _listening(port: int) -> bool:
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in psutil.net_connections("tcp"))
+
+
+def _start_server(model: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path, Path]:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    port = _free_port()
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+           "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PAGEDLLM_LOGGING_LEVEL": "INFO", "PAGEDLLM_API_KEY": ""}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return proc, port, tmpdir, log
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            pytest.fail(f"server did not become healthy:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_stops_cleanly(tiny_llama, tmp_path, sig):
+    proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path)
+    try:
+        _wait_healthy(proc, port, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children and _ipc_dirs(tmpdir) and _listening(port)  # the engine core, its IPC dir, the port
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        proc.send_signal(sig)
+        returncode = proc.wait(60)
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert returncode == 0, text
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}\n{text}"
+    assert not _ipc_dirs(tmpdir), text
+    assert not _listening(port)
+    assert "Traceback" not in text, text
+    # One line per start-up phase, the engine core's lines in the same format with its pid.
+    for phrase in ("Tokenizer and config: LlamaForCausalLM", "(EngineCore pid=", "Weights: LlamaForCausalLM",
+                   "KV cache: ", "maximum concurrency at max_model_len 256", "Warm-up: ", "Engine core ready in",
+                   f"Serving tiny on http://127.0.0.1:{port}"):
+        assert phrase in text, f"{phrase!r} not in the log:\n{text}"
+    assert "INFO " in text and "[core.py:" in text
+
+
+def test_failed_start_leaves_nothing_behind(tiny_llama, tmp_path):
+    """A KV cache smaller than max_model_len fails in the engine core, after the IPC directory exists."""
+    proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path, "--kv-cache-memory", "1KiB")
+    try:
+        returncode = proc.wait(120)
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert returncode != 0 and "KV cache holds" in text, text
+    assert not _ipc_dirs(tmpdir), text
+    assert not _listening(port)
+
+
+def test_sigint_during_start_up_stops_at_once(tiny_llama, tmp_path):
+    """Ctrl-C while the engine core loads: the start is abandoned, not finished first."""
+    proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path)
+    try:
+        deadline = time.time() + 120
+        while "Tokenizer and config" not in log.read_text():  # the front now waits for the core
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(30)
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert returncode == 0 and "Serving tiny" not in text, text
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive and not _ipc_dirs(tmpdir) and not _listening(port), text
+
+
+@pytest.fixture
+def fresh_tmpdir(tmp_path, monkeypatch) -> Path:
+    """tempfile's directory for this process, fresh (tempfile caches it, so TMPDIR alone is not enough)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_async_llm_dropped_without_shutdown_cleans_up(tiny_llama, fresh_tmpdir):
+    before = _children()
+    eng = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 22))
+
+    async def run(engine):
+        return [out async for out in engine.generate([5, 6, 7], GREEDY, "r")]
+
+    assert asyncio.run(run(eng))[-1].finished
+    core = psutil.Process(eng.client.proc.pid)
+    assert _ipc_dirs(fresh_tmpdir)
+    del eng
+    gc.collect()
+    _, alive = psutil.wait_procs([core], timeout=10)
+    assert not alive and _children() <= before
+    assert not _ipc_dirs(fresh_tmpdir)
+
+
+def test_llm_dropped_leaves_nothing(tiny_llama, fresh_tmpdir):
+    """The offline LLM runs its engine core in process: it starts nothing that could outlive it."""
+    before = _children()
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 22)
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].finished
+    assert _children() <= before
+    del llm
+    gc.collect()
+    assert _children() <= before and not _ipc_dirs(fresh_tmpdir)

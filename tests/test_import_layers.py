@@ -1,0 +1,141 @@
+"""Imports between pagedllm's top-level packages go down the layers, never up, and never in a cycle.
+
+The order, bottom to top, and why:
+
+- `version`, `logger`, `cpu_isa`, `sampling_params`, `outputs`: plain helpers and user-facing data; import nothing
+  of pagedllm's.
+- `protocol`: the messages that cross the front / engine-core boundary; carries `SamplingParams`.
+- `transformers_utils`: model files (the default model, name/path resolution, GGUF conversion,
+  tokenizer, safetensors reading); config and model code both need them, so they sit beneath both.
+- `config`: describes and validates what the engine runs (including speculative decoding).
+- `forward_context`: the per-step attention metadata the model's layers read.
+- `model_executor`: layers, models, loader; knows tensors, not requests.
+- `spec_decode`: the speculative-decoding counters and the draft-making tool.
+- `structured_output`: grammars and their compilation, used by the scheduler.
+- `core`: requests, scheduler, KV cache manager; knows tokens and blocks, never tensors.
+- `worker`: the model runner and the proposers; turns a scheduler output into a forward pass.
+- `engine`: the engine core, its process and client, the front ends (`LLMEngine`, `AsyncLLM`).
+- `entrypoints`: `LLM`, the CLI, the OpenAI server, beam search.
+
+`pagedllm/__init__.py` re-exports the public names and may import anything, so nothing inside
+the package imports it (`from pagedllm import LLM` would run the whole package from any layer);
+`from pagedllm import cpu_isa` names a module and counts as importing it. Imports inside
+functions and under `TYPE_CHECKING` count like the others: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pagedllm
+
+LAYERS = [
+    "version",
+    "logger",
+    "cpu_isa",
+    "sampling_params",
+    "outputs",
+    "protocol",
+    "transformers_utils",
+    "config",
+    "forward_context",
+    "model_executor",
+    "spec_decode",
+    "structured_output",
+    "core",
+    "worker",
+    "engine",
+    "entrypoints",
+]
+RANK = {name: i for i, name in enumerate(LAYERS)}
+ROOT = Path(pagedllm.__file__).parent
+
+
+def _module_parts(path: Path) -> list[str]:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _is_module(name: str) -> bool:
+    return (ROOT / f"{name}.py").exists() or (ROOT / name / "__init__.py").exists()
+
+
+def _imported(path: Path, text: str | None = None) -> list[tuple[int, str]]:
+    """(line, dotted module) for each pagedllm module a file imports, relative imports resolved;
+    `from pagedllm import x` counts as importing `pagedllm.x`."""
+    parts = _module_parts(path)
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module or ""
+            if base == "pagedllm":  # a submodule by name, or a name the package re-exports
+                found += [(node.lineno, f"pagedllm.{alias.name}" if _is_module(alias.name) else "pagedllm")
+                          for alias in node.names]
+            else:
+                found.append((node.lineno, base))
+    return [(line, name) for line, name in found if name.split(".")[0] == "pagedllm"]
+
+
+def _edges() -> list[tuple[str, str | None, str]]:
+    """(source top-level package, imported top-level package or None for the root, where) for every
+    cross-package import."""
+    edges = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = _module_parts(path)
+        if len(parts) < 2:
+            continue  # pagedllm/__init__.py: the public re-exports
+        src = parts[1]
+        for line, name in _imported(path):
+            dst = name.split(".")[1] if "." in name else None
+            if dst != src:
+                edges.append((src, dst, f"{path.relative_to(ROOT.parent)}:{line} imports {name}"))
+    return edges
+
+
+def test_every_top_level_package_has_a_layer():
+    names = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    names |= {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert names <= set(LAYERS), f"place these in LAYERS: {sorted(names - set(LAYERS))}"
+
+
+def test_nothing_inside_imports_the_package_root():
+    root = [where for _, dst, where in _edges() if dst is None]
+    assert not root, "imports of pagedllm/__init__.py from inside the package:\n" + "\n".join(root)
+
+
+def test_no_import_goes_up_a_layer():
+    upward = [where for src, dst, where in _edges() if dst is not None and RANK[dst] > RANK[src]]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_cycle_between_top_level_packages():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _ in _edges():
+        if dst is not None:
+            graph.setdefault(src, set()).add(dst)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    cycles = sorted(pkg for pkg in graph if reaches(pkg, pkg, set()))
+    assert not cycles, f"packages in an import cycle: {cycles}"
+
+
+def test_the_check_sees_lazy_and_relative_imports():
+    """The scanner itself: imports inside a function, under TYPE_CHECKING and relative ones are found."""
+    src = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pagedllm.engine import x\n"
+        "from ..worker import model_runner\n"
+        "def f():\n    from pagedllm.entrypoints.llm import LLM\n"
+    )
+    found = {name for _, name in _imported(ROOT / "core" / "probe.py", src)}
+    assert found == {"pagedllm.engine", "pagedllm.worker", "pagedllm.entrypoints.llm"}
+
