@@ -75,12 +75,14 @@ class _CoreProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        if self.reader is not None and self.reader is not threading.current_thread():
-            self.reader.join(2)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if self.reader is not None and self.reader is not threading.current_thread():
+                self.reader.join(2)
+            self.input.close(linger=0)
+            self.output.close(linger=0)
+            self.ctx.term()
+        finally:  # whatever failed above, the IPC directory goes
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class MPClient:
