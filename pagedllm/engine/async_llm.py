@@ -26,14 +26,18 @@ class AsyncLLM:
         config = engine_args.create_engine_config()  # validates here, before a process starts
         self.config = config
         self.model_config = config.model_config
-        self.frontend = Frontend(config.model_config, config.scheduler_config)
-        self.tokenizer = self.frontend.tokenizer
-        self.processor = self.frontend.processor
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
-        self.client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead)
+        self.client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead,
+                               while_starting=self._load_frontend)
+
+    def _load_frontend(self) -> None:
+        """The tokenizer loads here while the engine-core process loads the model."""
+        self.frontend = Frontend(self.config.model_config, self.config.scheduler_config)
+        self.tokenizer = self.frontend.tokenizer
+        self.processor = self.frontend.processor
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:

@@ -92,7 +92,10 @@ class MPClient:
         on_outputs: Callable[[EngineCoreOutputs], None],
         on_utility: Callable[[int, bool, Any], None],
         on_dead: Callable[[], None],
+        while_starting: Callable[[], None] | None = None,
     ) -> None:
+        """`while_starting` runs once the core process is launched, before waiting for it to be
+        ready, so the caller's own loading (the tokenizer) overlaps the core's."""
         self._core = core = _CoreProcess()
         self._finalizer = weakref.finalize(self, core.close)
         self.encoder = msgspec.msgpack.Encoder()
@@ -108,6 +111,8 @@ class MPClient:
             )
             core.proc.stdin.write(msgspec.json.encode(engine_args))
             core.proc.stdin.close()
+            if while_starting is not None:
+                while_starting()
             self.ready_info = self._wait_ready()
             core.ready = True
         except BaseException:  # a failed start, or Ctrl-C / SIGTERM during it: leave nothing behind
