@@ -124,9 +124,10 @@ def build_parallel_config(tp: int, pp: int, dp: int, backend: str | None) -> Par
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                          f"got {backend!r}")
     config = ParallelConfig(tp, pp, dp, backend or ("uni" if tp * pp == 1 else "mp"))
-    if config.world_size > 1 or dp > 1 or config.distributed_executor_backend == "ray":
+    if config.world_size > 1:
         raise ValueError(
-            f"this build runs one rank, in the engine-core process ('uni') or a worker process ('mp'); "
+            f"this build runs one rank per engine core, in the engine-core process ('uni') or a worker process "
+            f"('mp'), and data_parallel_size engine cores; "
             f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}, data_parallel_size={dp}, "
             f"distributed_executor_backend={backend!r} are not available yet")
     return config

@@ -34,14 +34,17 @@ def _normalize(dist: str) -> str:
 
 
 def _declared() -> tuple[set[str], set[str]]:
-    """(main dependencies, test extra), as normalized distribution names."""
+    """(main dependencies with the named feature extras such as `ray`, test extra), as normalized
+    distribution names. A feature extra is imported only where its feature is used."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
     def names(reqs: list[str]) -> set[str]:
         return {_normalize(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in reqs}
 
-    return names(project["dependencies"]), names(project["optional-dependencies"].get("test", []))
+    extras = project["optional-dependencies"]
+    features = {name for extra, reqs in extras.items() if extra != "test" for name in names(reqs)}
+    return names(project["dependencies"]) | features, names(extras.get("test", []))
 
 
 def _third_party_imports(directory: Path) -> dict[str, set[str]]:

@@ -65,6 +65,10 @@ class Request:
     structured_output: Any = None  # StructuredOutputRequest while it has a grammar
     # Proposed by the drafter after the last step, verified by the next forward pass.
     spec_token_ids: list[int] = field(default_factory=list)
+    # How much of the request its workers hold: tokens and block ids sent in step messages
+    # (0 tokens: none; it is sent whole when next scheduled).
+    num_synced_tokens: int = 0
+    num_synced_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

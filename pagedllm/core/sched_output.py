@@ -1,46 +1,64 @@
-"""What the scheduler tells the model runner for one step: tokens and blocks, no tensors."""
+"""The messages between the engine core and its workers for one step: tokens and blocks, no
+tensors, all of it msgspec-encodable (it crosses to worker processes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers do not hold yet (first scheduled, or resumed after a preemption):
+    sent whole, once."""
+
     req_id: str
-    token_ids: list[int]  # the tokens to compute this step
-    start_pos: int  # num_computed_tokens before this step
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # does this chunk reach the end of the known tokens?
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    # Draft tokens at the end of token_ids, to be verified (their logits are sampled too).
-    spec_token_ids: list[int] = field(default_factory=list)
-    # Live references to the request's token lists (same process: no copy).
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int
+    # A request resumed after a preemption brings its outputs so far (penalties, stop checks).
+    output_token_ids: list[int] = []
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Requests the workers hold, as diffs: one entry per request in each list."""
+
+    req_ids: list[str] = []
+    # Tokens appended to the request since the workers last saw it (the sampled ones).
+    new_token_ids: list[list[int]] = []
+    new_block_ids: list[list[int]] = []  # appended to its block table
+    # Authoritative: rejected drafts move it back.
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
+    """Self-contained plain data, so one msgspec encoding reaches every worker process; the
+    in-process executor hands the same object over. Workers keep each request's state in their
+    InputBatch and apply these diffs to it."""
+
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # req_id → tokens computed this step (drafts included), in the runner's row order.
+    num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
-    preempted_req_ids: set[str] = field(default_factory=set)
-    # Requests that finished since the last step, so the runner drops their state.
-    finished_req_ids: set[str] = field(default_factory=set)
+    # req_id → the drafts at the end of its scheduled tokens, verified this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    preempted_req_ids: set[str] = set()
+    # Requests that finished since the last step, so the workers drop their state.
+    finished_req_ids: set[str] = set()
     # (src, dst) block ids whose K/V the runner copies before the forward pass: the partial
     # last prompt block a sample of an n > 1 request forks from its sibling (copy-on-write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = []
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
 
 
-@dataclass(slots=True)
-class GrammarOutput:
+class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
     """The step's structured-output bitmask: built by the engine core after `schedule()`, while
     the forward pass runs, and applied to the logits before sampling."""
 
@@ -55,8 +73,9 @@ class GrammarOutput:
 LogprobsEntry = tuple[list[int], list[float], int]
 
 
-@dataclass(slots=True)
-class ModelRunnerOutput:
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Only the driver rank's goes back to the engine core."""
+
     req_ids: list[str]
     # The new tokens of each scheduled request (accepted drafts, then one sampled token), or
     # None for a partial prefill chunk.
@@ -64,6 +83,6 @@ class ModelRunnerOutput:
     # Per request, one entry per new token, when it asked for logprobs and sampled this step.
     logprobs: list[list[LogprobsEntry] | None] | None = None
     # req_id → entries for the prompt positions this chunk covered (prompt_logprobs).
-    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = {}
     # Speculative decoding: the drafts proposed for each request's next step (None: none).
     spec_token_ids: list[list[int] | None] | None = None

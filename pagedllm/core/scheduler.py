@@ -21,7 +21,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.request_update import admissible_drafts, num_lookahead_slots, update_request_with_output
-from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.protocol import EngineCoreOutput
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
@@ -72,6 +72,10 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
         self.spec_decoding_stats = SpecDecodingStats()
+        # req_id → its steps scheduled and not yet updated (several with pipeline parallel's batch
+        # queue). Such a request is never preempted: its step's output would be lost, and seeded
+        # sampling would have drawn for nothing. The scheduler waits for the step instead.
+        self.num_steps_in_flight: dict[str, int] = {}
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,6 +137,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.prompt_logprobs = None  # the recompute produces them again
         request.spec_token_ids = []
+        request.num_synced_tokens = request.num_synced_blocks = 0  # the workers drop it
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -146,6 +151,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
+        blocked = False
 
         # 1. Running requests, oldest first.
         i = 0
@@ -165,6 +171,9 @@ class Scheduler:
                 if self._release_prompt_holds():
                     continue  # waiting samples lose their fork before anything running is preempted
                 victim = self._pick_victim()
+                if self.num_steps_in_flight.get(victim.request_id):
+                    blocked = True  # wait for its step (the batch queue finishes the oldest one)
+                    break
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
                     i -= 1
@@ -172,6 +181,8 @@ class Scheduler:
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
+            if blocked:
+                break
             if request.request_id in preempted:
                 continue  # `i` already points at the next request
             num_scheduled[request.request_id] = num_new
@@ -184,6 +195,7 @@ class Scheduler:
         holds_released = False
         while (
             not preempted
+            and not blocked
             and len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -335,33 +347,37 @@ class Scheduler:
         return num_new
 
     def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
+        """The step message: requests the workers do not hold go whole, the others as diffs
+        (tokens sampled since, blocks allocated since, num_computed_tokens)."""
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids,
                               block_copies=self.block_copies)
         self.finished_req_ids = set()
         self.block_copies = []
+        cached = out.scheduled_cached_reqs
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is None:
                 continue
+            req_id = request.request_id
             start = request.num_computed_tokens
-            token_ids = request.all_token_ids[start : start + n]
             spec = request.spec_token_ids[: start + n - request.num_tokens]
             if spec:
-                token_ids += spec
+                out.scheduled_spec_decode_tokens[req_id] = spec
             request.spec_token_ids = []  # verified this step; the drafter proposes anew after it
-            out.scheduled.append(
-                ScheduledRequest(
-                    req_id=request.request_id,
-                    token_ids=token_ids,
-                    start_pos=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    sample=start + n >= request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    spec_token_ids=spec,
-                )
-            )
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            if request.num_synced_tokens == 0:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,
+                    request.output_token_ids[:]))
+            else:
+                cached.req_ids.append(req_id)
+                cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])
+                cached.new_block_ids.append(block_ids[request.num_synced_blocks :])
+                cached.num_computed_tokens.append(start)
+            request.num_synced_tokens = request.num_tokens
+            request.num_synced_blocks = len(block_ids)
+            out.num_scheduled_tokens[req_id] = n
+            self.num_steps_in_flight[req_id] = self.num_steps_in_flight.get(req_id, 0) + 1
             # Advance now, so the next schedule() sees these tokens as in flight.
             request.num_computed_tokens = start + n
             out.total_num_scheduled_tokens += n
@@ -373,6 +389,10 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Take back rejected drafts, append new tokens, apply stop conditions, cache full blocks."""
         outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            left = self.num_steps_in_flight.pop(req_id, 0) - 1
+            if left > 0:
+                self.num_steps_in_flight[req_id] = left
         logprobs = runner_output.logprobs
         proposals = runner_output.spec_token_ids
         # The runner's rows are the scheduled requests, in order.
@@ -388,8 +408,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             entries = logprobs[row] if logprobs is not None else None
             output, stopped = update_request_with_output(
-                request, tokens, len(scheduler_output.scheduled[row].spec_token_ids), entries, self.max_model_len,
-                self.spec_decoding_stats,
+                request, tokens, len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())), entries,
+                self.max_model_len, self.spec_decoding_stats,
             )
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             outputs.append(output)

@@ -1,16 +1,21 @@
 """AsyncLLM: the serving engine. Tokenizing, detokenizing and streaming happen here, in
-the server's process; scheduling and the forward pass run in the engine-core process."""
+the server's process; scheduling and the forward pass run in the engine-core process (one per
+data-parallel rank, each with its own executor and KV cache, requests spread by load)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import MPClient
+from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
@@ -32,8 +37,29 @@ class AsyncLLM:
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
-        self.client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead,
-                               while_starting=self._load_frontend)
+        num_engines = config.parallel_config.data_parallel_size
+        self.balancer = DPLoadBalancer(num_engines)
+        if num_engines == 1:
+            self.clients = [MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead,
+                                     while_starting=self._load_frontend)]
+        else:
+            self.clients = self._start_engines(dataclasses.replace(engine_args, data_parallel_size=1), num_engines)
+        self.client = self.clients[0]
+
+    def _start_engines(self, core_args: EngineArgs, num_engines: int) -> list[MPClient]:
+        """The data-parallel engine cores, started side by side while the tokenizer loads here."""
+        call_ids = itertools.count()
+        with ThreadPoolExecutor(num_engines, thread_name_prefix="EngineCoreStart") as pool:
+            futures = [pool.submit(MPClient, core_args, self._on_outputs, self._on_utility, self._on_dead,
+                                   call_ids=call_ids) for _ in range(num_engines)]
+            try:
+                self._load_frontend()
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    if f.exception() is None:
+                        f.result().close()
+                raise
 
     def _load_frontend(self) -> None:
         """The tokenizer loads here while the engine-core process loads the model."""
@@ -51,7 +77,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return not self.errored and not self.client.dead
+        return not self.errored and not any(c.dead for c in self.clients)
 
     # ---- callbacks from the reader thread: hop onto the event loop --------
     def _call_in_loop(self, fn, *args) -> None:
@@ -72,6 +98,9 @@ class AsyncLLM:
     # ---- on the event loop ------------------------------------------------
     def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
+        for core_out in outputs.outputs:
+            if core_out.finish_reason is not None:
+                self.balancer.finished(core_out.request_id)
         for out in result.request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -79,7 +108,7 @@ class AsyncLLM:
                 if out.finished:
                     del self._queues[out.request_id]
         if result.reqs_to_abort:
-            self.client.abort_requests(result.reqs_to_abort)
+            self._abort_in_cores(result.reqs_to_abort)
 
     def _resolve_utility(self, call_id: int, ok: bool, result: Any) -> None:
         fut = self._utility_futures.pop(call_id, None)
@@ -120,8 +149,9 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
+            client = self.clients[self.balancer.assign([r.request_id for r in requests])]
             for request in requests:
-                self.client.add_request(request)
+                client.add_request(request)
             while True:
                 out = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(out, Exception):
@@ -139,28 +169,44 @@ class AsyncLLM:
         self._queues.pop(request_id, None)
         core_ids = self.frontend.abort([request_id])
         if core_ids and not self.errored:
-            self.client.abort_requests(core_ids)
+            self._abort_in_cores(core_ids)
+
+    def _abort_in_cores(self, core_ids: list[str]) -> None:
+        for engine, ids in self.balancer.by_engine(core_ids).items():
+            self.clients[engine].abort_requests(ids)
+            for req_id in ids:
+                self.balancer.finished(req_id)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any) -> list[Any]:
+        """The utility call on every engine core; their results in core order."""
         self._bind_loop()
         if self.errored:
             raise EngineDeadError()
-        fut = asyncio.get_running_loop().create_future()
-        self._utility_futures[self.client.call_utility(method, *args)] = fut
-        return await fut
+        futures = []
+        for client in self.clients:
+            fut = asyncio.get_running_loop().create_future()
+            self._utility_futures[client.call_utility(method, *args)] = fut
+            futures.append(fut)
+        return list(await asyncio.gather(*futures))
 
     async def get_stats(self) -> dict[str, float]:
+        """All engine cores together."""
+        return merge_stats(await self._call("get_stats"))
+
+    async def get_engine_stats(self) -> list[dict[str, float]]:
+        """One entry per data-parallel engine core."""
         return await self._call("get_stats")
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._call("reset_prefix_cache")
+        return all(await self._call("reset_prefix_cache"))
 
     async def check_health(self) -> None:
-        if self.errored or not self.client.is_alive():
+        if self.errored or not all(c.is_alive() for c in self.clients):
             raise EngineDeadError()
 
     def shutdown(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor import Executor
+from pagedllm.executor.abstract import StepFuture
 from pagedllm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -42,6 +44,9 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             config.model_config, config.structured_outputs_config.reasoning_parser)
         self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)
+        # Pipeline parallel: steps in flight, oldest first (vLLM's batch queue).
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -56,11 +61,45 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
+        return self.finish_step(self.begin_step())
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Keep up to `batch_queue_size` steps in flight: schedule and send a step (forward and
+        sampling in one go, its grammar bitmask filled first) while earlier ones are still in
+        the pipeline; once the queue is full, or nothing more can be scheduled, finish the oldest.
+        A request whose step is in flight has no new token to schedule until that step ends."""
+        outputs: list[EngineCoreOutput] = []
+        if len(self.batch_queue) < self.batch_queue_size:
+            sched_out = self.scheduler.schedule()
+            outputs = self.scheduler.take_pending_outputs()
+            if not sched_out.is_empty:
+                self.model_executor.execute_model(sched_out)
+                future = self.model_executor.sample_tokens(self.get_grammar_output(sched_out), non_block=True)
+                self.batch_queue.append((sched_out, future))
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+        if self.batch_queue:
+            sched_out, future = self.batch_queue.popleft()
+            outputs += self.scheduler.update_from_output(sched_out, future.result())
+        elif not outputs and self.scheduler.has_unfinished_requests():
+            time.sleep(0.001)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def begin_step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """Schedule and start the forward pass. With worker processes it runs while the caller
+        goes on (data-parallel engine cores in one process start theirs side by side)."""
         sched_out = self.scheduler.schedule()
         outputs = self.scheduler.take_pending_outputs()
         if not sched_out.is_empty:
             self.model_executor.execute_model(sched_out)
-            grammar_out = self.get_grammar_output(sched_out)  # overlaps the forward pass on a GPU
+        return sched_out, outputs
+
+    def finish_step(self, begun: tuple[SchedulerOutput, list[EngineCoreOutput]]) -> EngineCoreOutputs:
+        sched_out, outputs = begun
+        if not sched_out.is_empty:
+            grammar_out = self.get_grammar_output(sched_out)  # overlaps the forward pass
             runner_out = self.model_executor.sample_tokens(grammar_out)
             outputs += self.scheduler.update_from_output(sched_out, runner_out)
         elif not outputs and self.scheduler.has_unfinished_requests():
@@ -71,8 +110,13 @@ class EngineCore:
         """The bitmask of what each constrained request may sample next (None: no request
         that samples this step has a grammar in force)."""
         requests = self.scheduler.requests
-        grammar_reqs = [(s.req_id, so, s.spec_token_ids) for s in sched_out.scheduled
-                        if s.sample and (so := requests[s.req_id].structured_output) is not None]
+        drafts = sched_out.scheduled_spec_decode_tokens
+        grammar_reqs = []
+        for req_id in sched_out.num_scheduled_tokens:
+            request = requests[req_id]
+            # It samples when this step reaches its last known token (schedule() advanced it).
+            if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens:
+                grammar_reqs.append((req_id, request.structured_output, drafts.get(req_id, [])))
         filled = self.structured_output_manager.grammar_bitmask(grammar_reqs) if grammar_reqs else None
         if filled is None:
             return None

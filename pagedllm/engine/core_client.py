@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -93,14 +93,16 @@ class MPClient:
         on_utility: Callable[[int, bool, Any], None],
         on_dead: Callable[[], None],
         while_starting: Callable[[], None] | None = None,
+        call_ids: Iterator[int] | None = None,
     ) -> None:
         """`while_starting` runs once the core process is launched, before waiting for it to be
-        ready, so the caller's own loading (the tokenizer) overlaps the core's."""
+        ready, so the caller's own loading (the tokenizer) overlaps the core's. Clients of several
+        cores (data parallel) share `call_ids`, so one table of utility calls serves them all."""
         self._core = core = _CoreProcess()
         self._finalizer = weakref.finalize(self, core.close)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder()
-        self._call_ids = itertools.count()
+        self._call_ids = call_ids if call_ids is not None else itertools.count()
         try:
             core.input.bind(core.input_addr)
             core.output.bind(core.output_addr)

@@ -1,12 +1,18 @@
-"""LLMEngine: the in-process engine for offline use and step-level control."""
+"""LLMEngine: the in-process engine for offline use and step-level control.
+
+With data parallelism it holds one engine core per rank, each with its own executor and KV
+cache; requests go to the least loaded one, and a step starts every busy core's forward pass
+before finishing any (with worker processes, the ranks compute side by side)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
@@ -21,7 +27,9 @@ class LLMEngine:
         self.tokenizer = self.frontend.tokenizer
         self.processor = self.frontend.processor
         self.output_processor = self.frontend.output_processor
-        self.engine_core = EngineCore(config)
+        self.engine_cores = [EngineCore(config) for _ in range(config.parallel_config.data_parallel_size)]
+        self.engine_core = self.engine_cores[0]
+        self.balancer = DPLoadBalancer(len(self.engine_cores))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -38,28 +46,54 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        for request in self.frontend.add_request(request_id, prompt, params, arrival_time, priority):
-            self.engine_core.add_request(request)
+        if params.logits_processors and self.config.parallel_config.distributed_executor_backend != "uni":
+            raise ValueError("logits_processors are Python callables, which cannot reach worker processes; "
+                             "use distributed_executor_backend='uni'")
+        requests = self.frontend.add_request(request_id, prompt, params, arrival_time, priority)
+        core = self.engine_cores[self.balancer.assign([r.request_id for r in requests])]
+        for request in requests:
+            core.add_request(request)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
-        result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
-        if result.reqs_to_abort:
-            self.engine_core.abort_requests(result.reqs_to_abort)
-        return result.request_outputs
+        busy = [core for core in self.engine_cores if core.has_unfinished_requests()] or self.engine_cores[:1]
+        if busy[0].batch_queue_size > 1:  # pipeline parallel: each core keeps its own steps in flight
+            finish = [core.step for core in busy]
+        else:
+            finish = [partial(core.finish_step, core.begin_step()) for core in busy]
+        request_outputs = []
+        for step in finish:
+            outputs = step()
+            for out in outputs.outputs:
+                if out.finish_reason is not None:
+                    self.balancer.finished(out.request_id)
+            result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
+            if result.reqs_to_abort:
+                self._abort_in_cores(result.reqs_to_abort)
+            request_outputs += result.request_outputs
+        return request_outputs
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine_core.abort_requests(self.frontend.abort(ids))
+        self._abort_in_cores(self.frontend.abort(ids))
+
+    def _abort_in_cores(self, core_ids: list[str]) -> None:
+        for engine, ids in self.balancer.by_engine(core_ids).items():
+            self.engine_cores[engine].abort_requests(ids)
+            for req_id in ids:
+                self.balancer.finished(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return any(core.has_unfinished_requests() for core in self.engine_cores)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.scheduler.get_num_unfinished_requests()
+        return sum(core.scheduler.get_num_unfinished_requests() for core in self.engine_cores)
 
     def get_stats(self) -> dict[str, float]:
-        return self.engine_core.get_stats()
+        """All engine cores together; `get_engine_stats` has them one by one."""
+        return merge_stats(self.get_engine_stats())
+
+    def get_engine_stats(self) -> list[dict[str, float]]:
+        return [core.get_stats() for core in self.engine_cores]
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+        return all([core.reset_prefix_cache() for core in self.engine_cores])

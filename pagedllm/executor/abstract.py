@@ -9,6 +9,7 @@ below are written on top of it, so an executor for more processes or machines on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -19,10 +20,37 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited while the engine needed it."""
 
 
+class StepFuture:
+    """A step's output, fetched from the workers when first asked for."""
+
+    __slots__ = ("_fetch", "_output")
+
+    def __init__(self, fetch: Callable[[], ModelRunnerOutput]) -> None:
+        self._fetch: Callable[[], ModelRunnerOutput] | None = fetch
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._fetch is not None:
+            self._output, self._fetch = self._fetch(), None
+        return self._output
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._init_executor()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core keeps in flight: one per pipeline stage, so no stage waits for
+        the next batch while a later stage finishes the previous one."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step output returns: the first rank of the last pipeline stage."""
+        parallel = self.config.parallel_config
+        return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
@@ -36,6 +64,10 @@ class Executor(ABC):
             from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            from pagedllm.executor.ray_distributed_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
         raise ValueError(f"distributed_executor_backend {backend!r} is not available")
 
     @abstractmethod
@@ -67,8 +99,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.collective_rpc("execute_model", (scheduler_output,))
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
+        """The step's new tokens; with `non_block`, a StepFuture (the batch queue's)."""
+        output = self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
+        return StepFuture(lambda: output) if non_block else output
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10.0)

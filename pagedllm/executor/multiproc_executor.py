@@ -1,7 +1,7 @@
 """MultiprocExecutor: one spawned process per rank, each running a Worker (worker_proc.py).
 
-Each call is encoded once (`encode_call`) and the same bytes go to every rank; the replies come
-back on one socket, tagged with the rank. While waiting, the executor watches its workers: a
+Each call is encoded once, with msgspec (serial_utils.py), and the same frames go to every rank;
+the replies come back on one socket, tagged with the rank. While waiting, the executor watches its workers: a
 rank that died becomes a `WorkerDiedError` within a poll interval, a rank that does not answer
 within the call's timeout a `TimeoutError`, so nothing hangs. Shutdown (also on garbage
 collection and at interpreter exit) stops the processes, killing those that do not exit, and
@@ -11,7 +11,6 @@ removes the IPC directory.
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 import shutil
 import tempfile
 import weakref
@@ -21,17 +20,12 @@ from typing import Any
 import zmq
 
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor, WorkerDiedError
+from pagedllm.executor.abstract import Executor, StepFuture, WorkerDiedError
+from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.executor.worker_proc import run_worker
 
 _POLL_MS = 100
 _SHUTDOWN_WAIT_S = 5.0
-
-
-def encode_call(call_id: int, method: str, args: tuple, kwargs: dict[str, Any]) -> bytes:
-    """The one place a call (a step's SchedulerOutput included) is serialized for the workers.
-    Replies carry the call's id, so a late reply to a call that timed out is recognised and dropped."""
-    return pickle.dumps((call_id, method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @dataclass
@@ -41,14 +35,15 @@ class _Workers:
     dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagedllm-workers-"))
     ctx: zmq.Context = field(default_factory=zmq.Context)
     procs: list = field(default_factory=list)
-    requests: list = field(default_factory=list)  # one PUSH socket per rank
+    broadcast: Any = None  # XPUB: every call goes to all ranks at once
     replies: Any = None
 
     def close(self) -> None:
         try:
-            for sock in self.requests:
+            if self.broadcast is not None:
                 try:
-                    sock.send(encode_call(-1, "shutdown_process", (), {}), zmq.NOBLOCK)
+                    self.broadcast.send_multipart(MessageCodec().encode_call(-1, "shutdown_process", (), {}),
+                                                  zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
             for proc in self.procs:
@@ -56,7 +51,7 @@ class _Workers:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-            for sock in [*self.requests, self.replies]:
+            for sock in [self.broadcast, self.replies]:
                 if sock is not None:
                     sock.close(linger=0)
             self.ctx.term()
@@ -67,6 +62,10 @@ class _Workers:
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self._call_id = 0
+        self._codec = MessageCodec()
+        # call id → (method, replies so far by rank): replies to several calls may interleave
+        # (the batch queue keeps steps in flight); a reply to a call not here is a late one, dropped.
+        self._in_flight: dict[int, tuple[str, dict[int, tuple[bool, Any]]]] = {}
         self._pending_forward: int | None = None
         self._workers = workers = _Workers()
         self._finalizer = weakref.finalize(self, workers.close)
@@ -75,21 +74,37 @@ class MultiprocExecutor(Executor):
             workers.replies = workers.ctx.socket(zmq.PULL)
             reply_addr = f"ipc://{workers.dir}/replies"
             workers.replies.bind(reply_addr)
+            workers.broadcast = workers.ctx.socket(zmq.XPUB)
+            workers.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription
+            workers.broadcast.setsockopt(zmq.SNDHWM, 0)  # never drop a call
+            broadcast_addr = f"ipc://{workers.dir}/broadcast"
+            workers.broadcast.bind(broadcast_addr)
             spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: torch does not survive fork
             for rank in range(world_size):
-                sock = workers.ctx.socket(zmq.PUSH)
-                addr = f"ipc://{workers.dir}/rank{rank}"
-                sock.bind(addr)
-                workers.requests.append(sock)
-                proc = spawn.Process(target=run_worker, args=(self.config, rank, addr, reply_addr),
+                proc = spawn.Process(target=run_worker, args=(self.config, rank, broadcast_addr, reply_addr),
                                      name=f"PagedllmWorker-{rank}", daemon=True)
                 proc.start()
                 workers.procs.append(proc)
+            self._wait_for_subscribers()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
             raise
+
+    def _wait_for_subscribers(self) -> None:
+        """A PUB socket drops what it sends before a subscriber has joined: wait until every rank
+        has subscribed (XPUB hands over each subscription) before the first call."""
+        workers = self._workers
+        joined = 0
+        while joined < len(workers.procs):
+            if workers.broadcast.poll(_POLL_MS):
+                joined += workers.broadcast.recv()[:1] == b"\x01"
+                continue
+            for rank, proc in enumerate(workers.procs):
+                if not proc.is_alive():
+                    raise WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+                                          "during start-up")
 
     @property
     def worker_pids(self) -> list[int]:
@@ -97,52 +112,62 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
-        return self._collect(self._send(method, args, kwargs or {}), method, timeout)
+        return self._collect(self._send(method, args, kwargs or {}), timeout)
 
     # ---- one step: the forward pass is not waited for, so the engine core fills the grammar
     # bitmask while the workers compute, and the step makes one round trip less.
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._pending_forward = self._send("execute_model", (scheduler_output,), {})
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        if self._pending_forward is not None:
-            call_id, self._pending_forward = self._pending_forward, None
-            self._collect(call_id, "execute_model", None)
-        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
+        forward_id, self._pending_forward = self._pending_forward, None
+        sample_id = self._send("sample_tokens", (grammar_output,), {})
+
+        def fetch() -> ModelRunnerOutput:
+            if forward_id is not None:
+                self._collect(forward_id, None)
+            return self._collect(sample_id, None)[self.output_rank]
+
+        return StepFuture(fetch) if non_block else fetch()
 
     def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> int:
         self._call_id += 1
-        message = encode_call(self._call_id, method, args, kwargs)
-        for sock in self._workers.requests:
-            sock.send(message, copy=False)
+        self._in_flight[self._call_id] = (method, {})
+        self._workers.broadcast.send_multipart(self._codec.encode_call(self._call_id, method, args, kwargs),
+                                               copy=False)
         return self._call_id
 
-    def _collect(self, call_id: int, method: str, timeout: float | None) -> list[Any]:
-        """Every rank's reply to call `call_id`, watching the processes while waiting."""
+    def _collect(self, call_id: int, timeout: float | None) -> list[Any]:
+        """Every rank's reply to call `call_id`, watching the processes while waiting; replies to
+        other calls in flight that arrive meanwhile are kept for them."""
         workers = self._workers
-        results: dict[int, Any] = {}
-        errors: list[str] = []
+        method, replies = self._in_flight[call_id]
         waited_ms = 0
-        while len(results) < len(workers.procs):
-            if workers.replies.poll(_POLL_MS):
-                reply_id, rank, ok, value = pickle.loads(workers.replies.recv())
-                if reply_id != call_id:
-                    continue  # the late answer to an earlier call that timed out
-                results[rank] = value
-                if not ok:  # still collect the other ranks' replies, so none is left for the next call
-                    errors.append(f"worker rank {rank} failed in {method}: {value}")
-                continue
-            waited_ms += _POLL_MS
-            for rank, proc in enumerate(workers.procs):
-                if rank not in results and not proc.is_alive():
-                    raise WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
-                                          f"{proc.exitcode} during {method}")
-            if timeout is not None and waited_ms >= timeout * 1000:
-                missing = sorted(set(range(len(workers.procs))) - set(results))
-                raise TimeoutError(f"{method}: worker ranks {missing} did not answer within {timeout} s")
-        if errors:
-            raise RuntimeError(errors[0])
-        return [results[rank] for rank in range(len(workers.procs))]
+        try:
+            while len(replies) < len(workers.procs):
+                if workers.replies.poll(_POLL_MS):
+                    frames = workers.replies.recv_multipart()
+                    reply_id, rank, ok = self._codec.decode_reply_header(frames)
+                    call = self._in_flight.get(reply_id)
+                    if call is not None:  # else: the late answer to a call that timed out
+                        call[1][rank] = (ok, self._codec.decode_reply_value(frames, call[0], ok))
+                    continue
+                waited_ms += _POLL_MS
+                for rank, proc in enumerate(workers.procs):
+                    if rank not in replies and not proc.is_alive():
+                        raise WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
+                                              f"{proc.exitcode} during {method}")
+                if timeout is not None and waited_ms >= timeout * 1000:
+                    missing = sorted(set(range(len(workers.procs))) - set(replies))
+                    raise TimeoutError(f"{method}: worker ranks {missing} did not answer within {timeout} s")
+        finally:
+            self._in_flight.pop(call_id, None)
+        for rank in range(len(workers.procs)):
+            ok, value = replies[rank]
+            if not ok:
+                raise RuntimeError(f"worker rank {rank} failed in {method}: {value}")
+        return [replies[rank][1] for rank in range(len(workers.procs))]
 
     def shutdown(self) -> None:
         self._finalizer()

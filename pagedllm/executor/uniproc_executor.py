@@ -19,5 +19,9 @@ class UniProcExecutor(Executor):
         """A direct call: in-process there is nothing to wait for, so `timeout` does not apply."""
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 1  # one process: nothing runs beside the step
+
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -7,28 +7,31 @@ never outlives its engine.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import traceback
 
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.logger import init_logging
 from pagedllm.worker.worker import Worker
 
 _PARENT_CHECK_MS = 1000
 
 
-def run_worker(config: EngineConfig, rank: int, request_addr: str, reply_addr: str) -> None:
+def run_worker(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
     init_logging(prefix=f"(Worker rank={rank} pid={os.getpid()}) ")
     parent = os.getppid()
     ctx = zmq.Context()
-    requests = ctx.socket(zmq.PULL)
-    requests.connect(request_addr)
+    requests = ctx.socket(zmq.SUB)
+    requests.setsockopt(zmq.RCVHWM, 0)
+    requests.setsockopt(zmq.SUBSCRIBE, b"")
+    requests.connect(broadcast_addr)
     replies = ctx.socket(zmq.PUSH)
     replies.connect(reply_addr)
+    codec = MessageCodec()
     worker = Worker(config, rank=rank, is_driver_worker=rank == 0)
     try:
         while True:
@@ -36,14 +39,14 @@ def run_worker(config: EngineConfig, rank: int, request_addr: str, reply_addr: s
                 if os.getppid() != parent:
                     return
                 continue
-            call_id, method, args, kwargs = pickle.loads(requests.recv())
+            call_id, method, args, kwargs = codec.decode_call(requests.recv_multipart())
             if method == "shutdown_process":
                 return
             try:
-                reply = (call_id, rank, True, getattr(worker, method)(*args, **kwargs))
+                reply = codec.encode_reply(call_id, rank, True, getattr(worker, method)(*args, **kwargs))
             except Exception as e:
-                reply = (call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-            replies.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                reply = codec.encode_reply(call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            replies.send_multipart(reply)
     finally:
         worker.shutdown()
         requests.close(linger=0)

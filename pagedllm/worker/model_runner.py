@@ -8,6 +8,7 @@ token, or with speculative decoding the accepted drafts plus one, and the next d
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,7 @@ from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker.spec_decode.ngram_proposer import NgramProposer
@@ -44,7 +46,9 @@ class ModelRunner:
         vocab = config.model_config.text_config.vocab_size
         self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device)
         self.kv_caches: list[torch.Tensor] = []
-        self._pending: tuple | None = None  # the step between forward() and sample_tokens()
+        self.input_batch = InputBatch()
+        # Steps between forward() and sample_tokens(), oldest first (several with pipeline parallel).
+        self._pending: deque[tuple] = deque()
         spec = config.speculative_config
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
@@ -123,10 +127,10 @@ class ModelRunner:
         self.sampling_metadata.drop(sched.finished_req_ids)
         if self.drafter is not None:
             self.drafter.drop(sched.finished_req_ids)
-        reqs = sched.scheduled
+        reqs = self.input_batch.update_states(sched)
         out = ModelRunnerOutput([r.req_id for r in reqs], [None] * len(reqs))
         if not reqs:
-            self._pending = (sched, None, None, out)
+            self._pending.append((reqs, None, None, out))
             return
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
@@ -137,16 +141,15 @@ class ModelRunner:
         for i, r in enumerate(reqs):
             if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
                 out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
-        self._pending = (sched, hidden, step.cu_end, out)
+        self._pending.append((reqs, hidden, step.cu_end, out))
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step `forward` ran, under the grammar bitmask, and propose the next drafts."""
-        (sched, hidden, cu_end, out), self._pending = self._pending, None
-        reqs = sched.scheduled
+        reqs, hidden, cu_end, out = self._pending.popleft()
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if sample_idx:
-            self._sample(sched, sample_idx, hidden, cu_end, out, grammar_output)
+            self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)
         if self.ngram is not None:
             out.spec_token_ids = [
                 self.ngram.propose(r.prompt_token_ids + r.output_token_ids + new) if new is not None else None
@@ -156,11 +159,10 @@ class ModelRunner:
             out.spec_token_ids = self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata)
         return out
 
-    def _sample(self, sched: SchedulerOutput, sample_idx: list[int], hidden: torch.Tensor, cu_end: np.ndarray,
-                out: ModelRunnerOutput, grammar_output: GrammarOutput | None) -> None:
+    def _sample(self, reqs: list[CachedRequestState], sample_idx: list[int], hidden: torch.Tensor,
+                cu_end: np.ndarray, out: ModelRunnerOutput, grammar_output: GrammarOutput | None) -> None:
         """One row per position to sample: the last token, and every draft being verified
         (row j sees the drafts before it as its history, for penalties and masks)."""
-        reqs = sched.scheduled
         num_rows = [1 + len(reqs[i].spec_token_ids) for i in sample_idx]
         if max(num_rows) == 1:
             logits_idx = cu_end[sample_idx] - 1

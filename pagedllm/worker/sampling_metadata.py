@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.core.sched_output import ScheduledRequest
 from pagedllm.model_executor.layers.sampler import SamplingMetadata
+from pagedllm.worker.input_batch import CachedRequestState
 
 
 class SamplingMetadataBuilder:
@@ -21,7 +21,7 @@ class SamplingMetadataBuilder:
             self.generators.pop(req_id, None)
             self.static_bias.pop(req_id, None)
 
-    def build(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+    def build(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
         params = [r.sampling_params for r in reqs]
         dev = self.device
         greedy = [p.greedy for p in params]
@@ -69,7 +69,7 @@ class SamplingMetadataBuilder:
             self.generators[req_id] = gen
         return gen
 
-    def _add_masks(self, md: SamplingMetadata, row: int, r: ScheduledRequest) -> None:
+    def _add_masks(self, md: SamplingMetadata, row: int, r: CachedRequestState) -> None:
         p = r.sampling_params
         if p.allowed_token_ids is not None or p.logit_bias:
             bias = self.static_bias.get(r.req_id)

@@ -1,14 +1,24 @@
 """The scheduler tests' fake engine: a scheduler on a small block pool, requests with distinct
 prompts, and a Driver that runs schedule -> fake forward -> update_from_output, checking the
-scheduler's invariants and a simulated paged KV cache every step."""
+scheduler's invariants and a simulated paged KV cache every step.
+
+Every step message goes through msgspec and into a worker's InputBatch (`WorkerView`), and the
+checks read the requests as the worker rebuilt them from the diffs, so the scheduler tests also
+prove that the messages are self-contained."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 BS = 4
 EOS = 2
@@ -58,13 +68,39 @@ def make_req(
     )
 
 
+@dataclass
+class StepView:
+    """One step as a worker sees it: the decoded message and its requests, snapshotted."""
+
+    message: SchedulerOutput
+    scheduled: list[CachedRequestState]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+
+class WorkerView:
+    """A worker's InputBatch fed with the msgspec encoding of each step message."""
+
+    def __init__(self) -> None:
+        self.batch = InputBatch()
+        self.decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+
+    def apply(self, out: SchedulerOutput) -> StepView:
+        message = self.decoder.decode(msgspec.msgpack.encode(out))
+        rows = self.batch.update_states(message)
+        return StepView(message, [replace(r, block_ids=list(r.block_ids), output_token_ids=list(r.output_token_ids))
+                                  for r in rows])
+
+
 class Driver:
     """Runs schedule -> fake forward -> update_from_output and checks invariants each step."""
 
     def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None) -> None:
         self.sched = sched
         self.script = script or {}
-        self.outputs: list[SchedulerOutput] = []
+        self.worker = WorkerView()
+        self.outputs: list[StepView] = []
         self.finished: dict[str, Request] = {}
         self.kv_len: dict[str, int] = {}  # tokens the fake runner holds K/V for, per request
         # A simulated paged KV cache: (block_id, slot) -> the token prefix whose K/V it holds.
@@ -76,9 +112,10 @@ class Driver:
             return script[req.num_output_tokens]
         return FILLER + req.num_output_tokens
 
-    def step(self) -> SchedulerOutput:
+    def step(self) -> StepView:
         sched = self.sched
-        out = sched.schedule()
+        message = sched.schedule()
+        out = self.worker.apply(message)
         cfg = sched.config
         assert out.total_num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -122,7 +159,7 @@ class Driver:
             tokens.append([self.next_token(req)] if s.sample else None)
         runner = ModelRunnerOutput([s.req_id for s in out.scheduled], tokens)
         by_id = {s.req_id: sched.requests[s.req_id] for s in out.scheduled}
-        outputs = sched.update_from_output(out, runner)
+        outputs = sched.update_from_output(message, runner)
         finished = [by_id[o.request_id] for o in outputs if o.finish_reason is not None]
         for req in finished:
             assert req.is_finished()

@@ -295,7 +295,7 @@ def test_blocked_waiting_request_counts_one_prefix_lookup():
     sched.add_request(make_req("big", 10, max_tokens=1))  # takes all 3 blocks of 4
     sched.add_request(make_req("next", 4, max_tokens=1))
     out = sched.schedule()
-    assert [s.req_id for s in out.scheduled] == ["big"]
+    assert list(out.num_scheduled_tokens) == ["big"]
     assert sched.kv_cache_manager.prefix_cache_stats.requests == 1
 
 

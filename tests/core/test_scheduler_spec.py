@@ -6,7 +6,7 @@ from __future__ import annotations
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.core.scheduler import Scheduler
-from tests.core.conftest import BS, make_req
+from tests.core.conftest import BS, WorkerView, make_req
 
 
 def _scheduler(method: str = "ngram", k: int = 3, **kw) -> Scheduler:
@@ -18,11 +18,14 @@ def _scheduler(method: str = "ngram", k: int = 3, **kw) -> Scheduler:
 
 
 def _step(sched: Scheduler, tokens: dict[str, list[int]], drafts: dict[str, list[int]] | None = None):
-    out = sched.schedule()
+    if not hasattr(sched, "worker_view"):
+        sched.worker_view = WorkerView()
+    message = sched.schedule()
+    out = sched.worker_view.apply(message)
     ids = [s.req_id for s in out.scheduled]
     runner = ModelRunnerOutput(ids, [tokens.get(i) for i in ids],
                                spec_token_ids=[(drafts or {}).get(i) for i in ids])
-    return out, sched.update_from_output(out, runner)
+    return out, sched.update_from_output(message, runner)
 
 
 def test_drafts_are_scheduled_then_rejected_ones_rolled_back():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.protocol import EngineClient
 
-COROUTINES = ("abort", "check_health", "get_stats", "reset_prefix_cache")
+COROUTINES = ("abort", "check_health", "get_stats", "get_engine_stats", "reset_prefix_cache")
 
 
 def _bare_engine() -> AsyncLLM:
@@ -17,6 +17,7 @@ def _bare_engine() -> AsyncLLM:
     engine.model_config = SimpleNamespace(max_model_len=64)
     engine.errored = False
     engine.client = SimpleNamespace(dead=False)
+    engine.clients = [engine.client]
     engine.tokenizer = object()
     return engine
 

@@ -36,8 +36,6 @@ def test_the_engine_core_runs_on_a_uniproc_executor(llm):
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2"),
-    ({"distributed_executor_backend": "ray"}, "'ray'"),
     ({"distributed_executor_backend": "threads"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
 ])

@@ -117,3 +117,30 @@ def test_grammar_and_speculation_cross_to_the_worker(tiny_llama):
         results[backend] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
         llm.llm_engine.engine_core.shutdown()
     assert results["mp"] == results["uni"] and results["mp"][0][0] in ("yes", "no")
+
+
+def test_preemption_and_samples_reach_the_worker_as_diffs(tiny_llama):
+    """A KV cache too small for the batch preempts requests (sent whole again on resume) and n = 3
+    samples fork one prompt: the worker process rebuilds every step from the messages alone."""
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=24, ignore_eos=True, presence_penalty=0.5)]
+    prompts = [list(range(5, 25)), list(range(30, 47))]
+    results = {}
+    for backend in ("uni", "mp"):
+        llm = LLM(tiny_llama, dtype="float32", block_size=8, num_gpu_blocks_override=14, max_model_len=64,
+                  distributed_executor_backend=backend)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
+        preemptions = llm.llm_engine.get_stats()["num_preemptions"]
+        llm.llm_engine.engine_core.shutdown()
+    assert preemptions > 0
+    assert results["mp"] == results["uni"]
+
+
+def test_logits_processors_need_the_in_process_worker(tiny_llama):
+    llm = _llm(tiny_llama, "mp")
+    with pytest.raises(ValueError, match="cannot reach worker processes"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits]),
+                     use_tqdm=False)
+    assert _tokens(llm) == _tokens(_llm(tiny_llama, "uni"))
+    llm.llm_engine.engine_core.shutdown()

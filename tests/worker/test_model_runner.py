@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
@@ -29,12 +29,36 @@ def runner(tiny_llama) -> ModelRunner:
     return runner
 
 
-def _req(req_id, prompt, output, start, end, blocks, **params) -> ScheduledRequest:
-    """Tokens [start, end) of prompt + output, sampling when they reach the end."""
-    tokens = prompt + output
-    return ScheduledRequest(req_id, tokens[start:end], start, blocks, end == len(tokens),
-                            SamplingParams(temperature=0, max_tokens=16, **params),
-                            prompt_token_ids=prompt, output_token_ids=output)
+class _Messages:
+    """Step messages as the scheduler builds them: a request whole once, then as diffs."""
+
+    def __init__(self) -> None:
+        self.synced: dict[str, tuple[int, int]] = {}  # req_id → (tokens, blocks) the runner holds
+
+    def step(self, *reqs) -> SchedulerOutput:
+        """Each req: (req_id, prompt, output, start, end, blocks, params): tokens [start, end)
+        of prompt + output, sampling when they reach the end."""
+        out = SchedulerOutput()
+        cached = out.scheduled_cached_reqs
+        for req_id, prompt, output, start, end, blocks, params in reqs:
+            tokens = prompt + output
+            if req_id not in self.synced:
+                out.scheduled_new_reqs.append(NewRequestData(req_id, prompt, SamplingParams(
+                    temperature=0, max_tokens=16, **params), list(blocks), start, list(output)))
+            else:
+                num_tokens, num_blocks = self.synced[req_id]
+                cached.req_ids.append(req_id)
+                cached.new_token_ids.append(tokens[num_tokens:])
+                cached.new_block_ids.append(blocks[num_blocks:])
+                cached.num_computed_tokens.append(start)
+            self.synced[req_id] = (len(tokens), len(blocks))
+            out.num_scheduled_tokens[req_id] = end - start
+            out.total_num_scheduled_tokens += end - start
+        return out
+
+
+def _req(req_id, prompt, output, start, end, blocks, **params) -> tuple:
+    return (req_id, prompt, output, start, end, blocks, params)
 
 
 def test_kv_cache_size(runner):
@@ -50,9 +74,10 @@ def test_greedy_tokens_over_chunks_and_decodes_match_transformers(runner, tiny_l
     blocks = {"a": [9, 3, 12], "b": [4, 20]}  # scattered, disjoint
     out_a: list[int] = []
     out_b: list[int] = []
+    messages = _Messages()
 
     # Step 1: the first 7 tokens of a (no sample), all of b (samples its first token).
-    sched = SchedulerOutput([_req("a", a, out_a, 0, 7, blocks["a"]), _req("b", b, out_b, 0, len(b), blocks["b"])])
+    sched = messages.step(_req("a", a, out_a, 0, 7, blocks["a"]), _req("b", b, out_b, 0, len(b), blocks["b"]))
     result = runner.execute_model(sched)
     assert result.req_ids == ["a", "b"] and result.sampled_token_ids[0] is None
     out_b += result.sampled_token_ids[1]
@@ -60,8 +85,8 @@ def test_greedy_tokens_over_chunks_and_decodes_match_transformers(runner, tiny_l
     steps = [(7, len(a), len(b))] + [None] * 5
     for step in steps:
         start_a, end_a, start_b = step or (len(a) + len(out_a) - 1, len(a) + len(out_a), len(b) + len(out_b) - 1)
-        sched = SchedulerOutput([_req("a", a, out_a, start_a, end_a, blocks["a"]),
-                                 _req("b", b, out_b, start_b, start_b + 1, blocks["b"])])
+        sched = messages.step(_req("a", a, out_a, start_a, end_a, blocks["a"]),
+                              _req("b", b, out_b, start_b, start_b + 1, blocks["b"]))
         result = runner.execute_model(sched)
         assert all(len(t) == 1 for t in result.sampled_token_ids)
         out_a += result.sampled_token_ids[0]
@@ -79,8 +104,9 @@ def test_prompt_logprobs_of_each_chunk_match_transformers(runner, tiny_llama):
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([a])).logits[0].double(), -1)
     entries = []
+    messages = _Messages()
     for start, end in ((0, 7), (7, len(a))):
-        sched = SchedulerOutput([_req("p", a, [], start, end, [2, 30], prompt_logprobs=1)])
+        sched = messages.step(_req("p", a, [], start, end, [2, 30], prompt_logprobs=1))
         entries += runner.execute_model(sched).prompt_logprobs["p"]
     # Position p predicts token p + 1: 7 entries from the first chunk, 3 from the second.
     assert len(entries) == len(a) - 1

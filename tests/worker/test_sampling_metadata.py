@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.core.sched_output import ScheduledRequest
 from pagedllm.model_executor.layers.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 
 NEG_INF = float("-inf")
 
 
-def _scheduled(params: SamplingParams, output: list[int], req_id: str = "r") -> ScheduledRequest:
-    return ScheduledRequest(req_id, [0], 1, [0], True, params, prompt_token_ids=[7, 8], output_token_ids=output)
+def _scheduled(params: SamplingParams, output: list[int], req_id: str = "r") -> CachedRequestState:
+    return CachedRequestState(req_id, [7, 8], params, [0], 1, output, token_ids=[0], sample=True)
 
 
 def test_metadata_builder_static_bias_and_allowed_tokens():

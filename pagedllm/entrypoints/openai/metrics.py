@@ -4,7 +4,8 @@ Each app gets its own CollectorRegistry (tests start several apps in one process
 global registry refuses duplicate names). Request-level numbers (tokens, latencies,
 finish reasons) are computed in the front from the RequestOutputs it streams; engine-level
 numbers (queue sizes, KV usage, prefix cache, preemptions) are pulled from
-`engine.get_stats()` at scrape time, cumulative engine counters turned into deltas.
+`engine.get_engine_stats()` at scrape time, cumulative engine counters turned into deltas; they
+carry an `engine` label (the data-parallel rank), as vLLM's do, so `sum by (model_name)` is the total.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        r, lbl = self.registry, ["model_name"]
+        r, lbl, engine_lbl = self.registry, ["model_name"], ["model_name", "engine"]
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, lbl, registry=r).labels(model_name)
+        def gauge(name: str, doc: str) -> Any:  # an engine-level number, one series per engine core
+            return Gauge(name, doc, engine_lbl, registry=r)
 
         def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, engine_lbl, registry=r)
+
+        def front_counter(name: str, doc: str) -> Any:
             return Counter(name, doc, lbl, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
@@ -60,15 +64,15 @@ class ServerMetrics:
                                           "Accepted over proposed draft tokens, since start.")
         self.spec_acceptance_length = gauge("pagedllm:spec_decode_mean_acceptance_length",
                                             "Tokens per verification step (accepted drafts + 1), since start.")
-        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("pagedllm:generation_tokens", "Generation tokens produced.")
+        self.prompt_tokens = front_counter("pagedllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = front_counter("pagedllm:generation_tokens", "Generation tokens produced.")
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.tpot = histogram("pagedllm:time_per_output_token_seconds", "Time per output token after the first.",
                               _TPOT_BUCKETS)
         self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self._last_engine: dict[str, float] = {}
+        self._last_engine: dict[tuple[str, str], float] = {}
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
@@ -79,26 +83,32 @@ class ServerMetrics:
     async def refresh(self, engine: EngineClient) -> None:
         """Pull the engine's gauges and counters; a dead engine leaves the last values."""
         try:
-            stats = await engine.get_stats()
+            per_engine = await engine.get_engine_stats()
         except Exception:
             logger.debug("engine stats unavailable", exc_info=True)
             return
-        self.num_running.set(stats.get("num_running", 0))
-        self.num_waiting.set(stats.get("num_waiting", 0))
-        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
-        self.spec_acceptance_rate.set(stats.get("spec_decode_acceptance_rate", 0.0))
-        self.spec_acceptance_length.set(stats.get("spec_decode_mean_acceptance_length", 0.0))
+        for index, stats in enumerate(per_engine):
+            self._refresh_engine(str(index), stats)
+
+    def _refresh_engine(self, engine: str, stats: dict[str, float]) -> None:
+        labels = (self.model_name, engine)
+        for key, metric, default in (("num_running", self.num_running, 0), ("num_waiting", self.num_waiting, 0),
+                                     ("kv_cache_usage", self.kv_usage, 0.0),
+                                     ("prefix_cache_hit_rate", self.prefix_hit_rate, 0.0),
+                                     ("spec_decode_acceptance_rate", self.spec_acceptance_rate, 0.0),
+                                     ("spec_decode_mean_acceptance_length", self.spec_acceptance_length, 0.0)):
+            metric.labels(*labels).set(stats.get(key, default))
         for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                             ("num_preemptions", self.preemptions),
                             ("spec_decode_num_drafts", self.spec_drafts),
                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             value = float(stats.get(key, 0))
-            delta = value - self._last_engine.get(key, 0.0)
+            delta = value - self._last_engine.get((engine, key), 0.0)
+            child = metric.labels(*labels)
             if delta > 0:  # a reset (engine restart, cache reset) must not go negative
-                metric.inc(delta)
-            self._last_engine[key] = value
+                child.inc(delta)
+            self._last_engine[engine, key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ScheduledRequest
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.rejection_sampler import target_probs
 from pagedllm.model_executor.layers.sampler import exponential_race, greedy_argmax
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
 
@@ -41,7 +41,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(
         self,
-        reqs: list[ScheduledRequest],
+        reqs: list[CachedRequestState],
         new_tokens: list[list[int] | None],
         sampling_metadata: SamplingMetadataBuilder,
     ) -> list[list[int] | None]:

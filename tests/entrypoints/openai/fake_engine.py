@@ -90,5 +90,8 @@ class FakeEngine:
                 "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
                 "num_preemptions": 1}
 
+    async def get_engine_stats(self) -> list[dict]:
+        return [await self.get_stats()]
+
     def shutdown(self) -> None:
         pass

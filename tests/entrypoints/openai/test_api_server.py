@@ -293,10 +293,10 @@ def test_metrics(client):
                  'pagedllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0',
                  'pagedllm:e2e_request_latency_seconds_count{model_name="fake-model"} 1.0',
                  'pagedllm:time_per_output_token_seconds_count{model_name="fake-model"} 1.0',
-                 'pagedllm:prefix_cache_hits_total{model_name="fake-model"} 4.0',
-                 'pagedllm:num_preemptions_total{model_name="fake-model"} 1.0',
-                 'pagedllm:num_requests_running{model_name="fake-model"} 0.0',
-                 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0']:
+                 'pagedllm:prefix_cache_hits_total{engine="0",model_name="fake-model"} 4.0',
+                 'pagedllm:num_preemptions_total{engine="0",model_name="fake-model"} 1.0',
+                 'pagedllm:num_requests_running{engine="0",model_name="fake-model"} 0.0',
+                 'pagedllm:kv_cache_usage_perc{engine="0",model_name="fake-model"} 0.0']:
         assert line in text, line
 
 

@@ -1,0 +1,83 @@
+"""Data parallel (-dp N): N engine cores, each with its own executor and KV cache, behind one
+front end. Same tokens as one core, requests spread by load, aborts reach the right core, stats
+per core and in total, and a dead core fails the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psutil
+import pytest
+
+from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import EngineDeadError
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _tokens(llm: LLM, params=GREEDY) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_offline_same_tokens_as_one_core_and_both_cores_work(tiny_gemma3, backend):
+    kw = dict(dtype="float32", kv_cache_memory=1 << 24)
+    sampled = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=6, ignore_eos=True)
+    expected = _tokens(LLM(tiny_gemma3, **kw)), _tokens(LLM(tiny_gemma3, **kw), sampled)
+    llm = LLM(tiny_gemma3, data_parallel_size=2, distributed_executor_backend=backend, **kw)
+    assert len(llm.llm_engine.engine_cores) == 2
+    assert (_tokens(llm), _tokens(llm, sampled)) == expected
+    per_core = llm.llm_engine.get_engine_stats()
+    assert all(s["prefix_cache_queries"] > 0 for s in per_core)  # both cores ran requests
+    total = llm.llm_engine.get_stats()
+    assert total["num_total_blocks"] == sum(s["num_total_blocks"] for s in per_core)
+    assert llm.llm_engine.balancer.num_unfinished == [0, 0]
+    for core in llm.llm_engine.engine_cores:
+        core.shutdown()
+
+
+def test_async_engine_spreads_aborts_and_fails_when_a_core_dies(tiny_llama):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 24,
+                                                  data_parallel_size=2))
+    cores = [psutil.Process(c.proc.pid) for c in engine.clients]
+    try:
+        async def collect(prompt, request_id, params=GREEDY):
+            return [out async for out in engine.generate(prompt, params, request_id)][-1]
+
+        async def scenario():
+            results = await asyncio.gather(*[collect(p, f"r{i}") for i, p in enumerate(PROMPTS)])
+            # A long request on each core, then one aborted: its core frees it, the other keeps going.
+            long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+            gens = [engine.generate([5, 6], long, f"long{i}") for i in range(2)]
+            for gen in gens:
+                await gen.__anext__()
+            per_core = await engine.get_engine_stats()
+            await gens[0].aclose()
+            for _ in range(100):
+                after = await engine.get_engine_stats()
+                if sum(s["num_running"] for s in after) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            total = await engine.get_stats()
+            await gens[1].aclose()
+            return results, per_core, after, total
+
+        results, per_core, after, total = asyncio.run(scenario())
+        expected = [o.outputs[0].token_ids for o in LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24)
+                    .generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert [r.outputs[0].token_ids for r in results] == expected
+        assert [s["num_running"] for s in per_core] == [1, 1]  # one long request per core
+        assert sorted(s["num_running"] for s in after) == [0, 1] and total["num_running"] == 1
+        assert all(s["prefix_cache_queries"] > 0 for s in after)
+
+        cores[1].kill()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(asyncio.wait_for(collect([1, 2, 3], "after"), timeout=30))
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.check_health())
+    finally:
+        engine.shutdown()
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in cores)
