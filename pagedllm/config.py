@@ -101,14 +101,17 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 @dataclass(slots=True)
 class ParallelConfig:
-    """How the model is spread over ranks (vLLM's names). One rank runs today, in the engine-core
-    process ("uni", the default) or in a worker process of its own ("mp"); larger sizes and "ray"
-    are checked and refused."""
+    """How the model is spread over ranks (vLLM's names). One rank runs in the engine-core process
+    ("uni", the default) or in a worker process ("mp"); tensor parallelism runs one worker process
+    per rank ("mp"). Pipeline and data parallelism, and "ray", are checked and refused."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    # torch.distributed's rendezvous (tcp://127.0.0.1:PORT), set by the executor that starts the
+    # ranks, before it starts them; None with one rank.
+    distributed_init_method: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -124,13 +127,34 @@ def build_parallel_config(tp: int, pp: int, dp: int, backend: str | None) -> Par
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                          f"got {backend!r}")
     config = ParallelConfig(tp, pp, dp, backend or ("uni" if tp * pp == 1 else "mp"))
-    if config.world_size > 1:
+    if pp > 1:
         raise ValueError(
-            f"this build runs one rank per engine core, in the engine-core process ('uni') or a worker process "
-            f"('mp'), and data_parallel_size engine cores; "
-            f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}, data_parallel_size={dp}, "
-            f"distributed_executor_backend={backend!r} are not available yet")
+            f"this build runs tensor parallelism over worker processes ('mp' or 'ray') and data_parallel_size "
+            f"engine cores; pipeline_parallel_size={pp} is not available yet")
+    if config.world_size > 1 and config.distributed_executor_backend == "uni":
+        raise ValueError(
+            f"distributed_executor_backend='uni' runs one rank in the engine-core process; "
+            f"tensor_parallel_size={tp} needs 'mp' or 'ray' (one worker per rank)")
     return config
+
+
+def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
+    """That the model's heads and MLP split evenly over `tp` ranks: query heads and the MLP's
+    intermediate size divide by tp; kv heads divide by tp, or tp by them (each kv head is then
+    replicated on tp / num_kv_heads ranks). The vocabulary is padded, so any size splits."""
+    if tp == 1:
+        return
+    text = model_config.text_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    what = f"tensor_parallel_size={tp} does not fit {model_config.model}"
+    if heads % tp:
+        raise ValueError(f"{what}: num_attention_heads={heads} is not divisible by {tp}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"{what}: num_key_value_heads={kv_heads} and {tp} do not divide one another")
+    inter = getattr(text, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise ValueError(f"{what}: intermediate_size={inter} is not divisible by {tp}")
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ The order, bottom to top, and why:
 - `transformers_utils`: model files (the default model, name/path resolution, GGUF conversion,
   tokenizer, safetensors reading); config and model code both need them, so they sit beneath both.
 - `config`: describes and validates what the engine runs (including speculative decoding).
+- `distributed`: the ranks' process groups and collectives (torch.distributed), which the
+  tensor-parallel layers call.
 - `forward_context`: the per-step attention metadata the model's layers read.
 - `model_executor`: layers, models, loader; knows tensors, not requests.
 - `spec_decode`: the speculative-decoding counters and the draft-making tool.
@@ -40,6 +42,7 @@ LAYERS = [
     "protocol",
     "transformers_utils",
     "config",
+    "distributed",
     "forward_context",
     "model_executor",
     "spec_decode",

@@ -18,6 +18,7 @@ from pagedllm.config import (
     build_model_config,
     build_parallel_config,
     check_quantization,
+    check_tensor_parallel,
     draft_model_config,
     parse_speculative_config,
     resolve_device,
@@ -57,7 +58,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; default: uni for one rank
+    distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; default: uni for one rank, else mp
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -74,6 +75,7 @@ class EngineArgs:
             self.model, resolve_model_path(self.model), self.tokenizer, self.dtype, device, self.max_model_len,
             self.seed, self.trust_remote_code, self.quantization,
         )
+        check_tensor_parallel(model_config, parallel_config.tensor_parallel_size)
         max_model_len = model_config.max_model_len
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
@@ -108,6 +110,7 @@ class EngineArgs:
                 speculative_config, resolve_model_path(speculative_config.model), model_config, device,
                 self.quantization,
             )
+            check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import shutil
+import socket
 import tempfile
 import weakref
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class MultiprocExecutor(Executor):
         self._workers = workers = _Workers()
         self._finalizer = weakref.finalize(self, workers.close)
         world_size = self.config.parallel_config.world_size
+        if world_size > 1:  # the ranks' torch.distributed rendezvous, one port for all of them
+            self.config.parallel_config.distributed_init_method = f"tcp://127.0.0.1:{_free_port()}"
         try:
             workers.replies = workers.ctx.socket(zmq.PULL)
             reply_addr = f"ipc://{workers.dir}/replies"
@@ -171,3 +174,10 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -55,8 +55,7 @@ class RayWorkerWrapper:
     def init_worker(self, rank: int, distributed_init_method: str | None) -> None:
         from pagedllm.worker.worker import Worker
 
-        if distributed_init_method is not None:
-            self.config.parallel_config.distributed_init_method = distributed_init_method
+        self.config.parallel_config.distributed_init_method = distributed_init_method
         self.worker = Worker(self.config, rank=rank, is_driver_worker=rank == 0)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:

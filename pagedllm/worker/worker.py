@@ -6,10 +6,17 @@ the same worker runs in the engine-core process (UniProcExecutor) or in a proces
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed import (
+    destroy_distributed_environment,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -21,8 +28,19 @@ class Worker:
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        """Check that the device exists before the (slow) model load."""
+        """Check that the device exists before the (slow) model load. With several ranks (each in
+        a process of its own), join their process groups: each rank then builds only its shard of
+        the model. On CUDA rank r takes GPU r; on CPU the ranks share the cores."""
         device = self.config.device_config.device
+        parallel = self.config.parallel_config
+        if parallel.world_size > 1:
+            if device.type == "cuda":
+                device = self.config.device_config.device = torch.device("cuda", self.rank)
+            else:
+                torch.set_num_threads(max(1, _num_cpus() // parallel.world_size))
+            init_distributed_environment(parallel.world_size, self.rank, parallel.distributed_init_method,
+                                         "nccl" if device.type == "cuda" else "gloo")
+            initialize_model_parallel(parallel.tensor_parallel_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
@@ -56,3 +74,13 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            destroy_distributed_environment()
+
+
+def _num_cpus() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,5 +1,6 @@
-"""The engine core reaches its model only through an Executor: one rank in-process today, every
-call a `collective_rpc` by Worker method name; parallel sizes are checked and refused clearly."""
+"""The engine core reaches its model only through an Executor (one rank in-process by default),
+every call a `collective_rpc` by Worker method name; parallel layouts are checked, and those not
+available are refused clearly."""
 
 from __future__ import annotations
 
@@ -34,14 +35,21 @@ def test_the_engine_core_runs_on_a_uniproc_executor(llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "tensor_parallel_size=2 needs 'mp'"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"distributed_executor_backend": "threads"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
 ])
-def test_parallel_layouts_beyond_one_rank_are_refused_clearly(tiny_llama, kwargs, message):
+def test_unavailable_parallel_layouts_are_refused_clearly(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=tiny_llama, **kwargs).create_engine_config()
+
+
+def test_tensor_parallelism_defaults_to_worker_processes(tiny_llama):
+    config = EngineArgs(model=tiny_llama, tensor_parallel_size=2).create_engine_config().parallel_config
+    assert (config.world_size, config.distributed_executor_backend) == (2, "mp")
+    assert config.distributed_init_method is None  # the executor picks it when it starts the ranks
 
 
 def test_cli_flags_reach_the_parallel_config(tiny_llama):
@@ -51,3 +59,6 @@ def test_cli_flags_reach_the_parallel_config(tiny_llama):
                               "--distributed-executor-backend", "uni"])
     config = engine_args_from_namespace(args).create_engine_config().parallel_config
     assert (config.world_size, config.data_parallel_size, config.distributed_executor_backend) == (1, 1, "uni")
+    args = parser.parse_args(["--model", tiny_llama, "--tensor-parallel-size", "2"])
+    config = engine_args_from_namespace(args).create_engine_config().parallel_config
+    assert (config.tensor_parallel_size, config.distributed_executor_backend) == (2, "mp")

@@ -54,11 +54,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="ranks the model is split over (heads, MLP, vocabulary), one worker process each")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
     parser.add_argument("--distributed-executor-backend", default=None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                        help="uni: one rank in the engine-core process (the default, and what runs today)")
+                        help="uni: one rank in the engine-core process (the default for one rank); "
+                             "mp: one worker process per rank (the default for -tp > 1)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(THINK_TAGS),
                         help="the model thinks first, in <think> tags: the server returns that as "
                              "reasoning_content, and structured outputs constrain only the answer after it")

@@ -1,8 +1,18 @@
-"""Linear layers whose parameters know how to load their checkpoint shards.
+"""Linear layers whose parameters load their own checkpoint shards, split over the tensor-parallel
+ranks (`get_tp_group()`; one rank unless the worker set up a group).
 
-Separate q/k/v (and gate/up) matrices of a checkpoint are stacked into one weight
-so each is a single GEMM; the `weight_loader` on the parameter puts each shard
-in its rows.
+- `Linear`: the whole weight on every rank.
+- `ColumnParallelLinear`: each rank holds a slice of the outputs.
+- `MergedColumnParallelLinear`: several checkpoint matrices with the same input (gate/up),
+  stacked along the outputs into one GEMM; each rank holds its slice of every one.
+- `QKVParallelLinear`: q/k/v stacked, heads split over the ranks; with more ranks than kv heads
+  each kv head is replicated on `tp / num_kv_heads` ranks.
+- `RowParallelLinear`: each rank holds a slice of the inputs (the output of a column-parallel
+  layer) and the partial products are summed over the ranks; the bias is added once, after.
+
+Every `weight_loader` takes the full checkpoint tensor and copies the rank's slice of it, so
+the post-load transforms (loader/quantize.py, loader/cpu_pack.py) see only the rank's shard.
+At one rank these are the plain layers (`MergedLinear`, `QKVLinear` are the old names).
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import get_tp_group
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
 
@@ -21,10 +32,28 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def load_slice(target: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int, what: str) -> None:
+    """Copy rows (dim 0) or columns (dim 1) [start, start + size) of the checkpoint tensor
+    `loaded`, whose size along `dim` must be `full`, into `target` (size `size` along `dim`)."""
+    expected = list(target.shape)
+    expected[dim] = full
+    if list(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected a checkpoint tensor of shape {tuple(expected)}, got {tuple(loaded.shape)}")
+    target.copy_(loaded.narrow(dim, start, target.shape[dim]))
+
+
+def divide(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({tp})")
+    return total // tp
+
+
 class Linear(nn.Module):
+    """y = x W^T + b with this rank's whole [out_features, in_features] weight."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
         self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py; replaces the weight
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -36,43 +65,124 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
-            return self.quant(x, self.bias)
+            return self.quant(x, bias)
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
 
 
-class MergedLinear(Linear):
-    """Several checkpoint matrices with the same input, stacked along the output dim."""
+class ColumnParallelLinear(Linear):
+    """Outputs split over the ranks: rank r holds rows [r * out / tp, (r + 1) * out / tp) of the
+    weight (and bias). `gather_output` concatenates the ranks' outputs; the models instead feed
+    the slice to a `RowParallelLinear`."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str | int, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank_in_group, self.tp.world_size
+        super().__init__(in_features, divide(out_features, self.tp_size, "output size"), bias)
+        self.gather_output = gather_output
+        self.weight.weight_loader = self._load_rows
+        if bias:
+            self.bias.weight_loader = self._load_rows
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        load_slice(param.data, loaded, 0, self.tp_rank * size, size * self.tp_size, "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x, self.bias)
+        return self.tp.all_gather(out, dim=-1) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Checkpoint matrices with the same input stacked along the outputs (gate and up). Each
+    rank's weight is its slice of every matrix, in order: [gate_r; up_r]."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str | int, int] | list[int], bias: bool = False) -> None:
+        if not isinstance(shard_sizes, dict):
+            shard_sizes = dict(enumerate(shard_sizes))
+        tp_size = get_tp_group().world_size
+        per_rank = {k: divide(size, tp_size, f"shard {k!r}'s output size") for k, size in shard_sizes.items()}
         super().__init__(in_features, sum(shard_sizes.values()), bias)
-        self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+        # (offset in this rank's weight, rows per rank, first row in the checkpoint tensor, its rows)
+        self.shard_offsets: dict[str | int, tuple[int, int, int, int]] = {}
         offset = 0
-        for shard_id, size in shard_sizes.items():
-            self.shard_offsets[shard_id] = (offset, size)
+        for shard_id, size in per_rank.items():
+            self.shard_offsets[shard_id] = (offset, size, self.tp_rank * size, shard_sizes[shard_id])
             offset += size
         self.weight.weight_loader = self._load_shard
         if bias:
             self.bias.weight_loader = self._load_shard
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
-        offset, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(
-                f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}"
-            )
-        target.copy_(loaded)
+        offset, size, start, full = self.shard_offsets[shard_id]
+        load_slice(param.data.narrow(0, offset, size), loaded, 0, start, full, f"shard {shard_id!r}")
 
 
-class QKVLinear(MergedLinear):
-    def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
-    ) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(
-            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias
-        )
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v stacked; `num_heads` / `num_kv_heads` (as in the checkpoint) are split over the
+    ranks. Rank r holds query heads [r * Hq / tp, (r + 1) * Hq / tp) and, when tp > Hkv, the one
+    kv head r * Hkv // tp (each kv head then lives on tp / Hkv ranks). After construction
+    `self.num_heads` and `self.num_kv_heads` are this rank's counts."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp_size = get_tp_group().world_size
+        check_head_split(num_heads, num_kv_heads, tp_size)
+        self.total_num_heads, self.total_num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        replicas = tp_size // num_kv_heads if tp_size > num_kv_heads else 1
+        # Whole sizes as the checkpoint has them, with each replicated kv head counted per rank.
+        sizes = {"q": num_heads * head_dim, "k": self.kv_size * tp_size, "v": self.kv_size * tp_size}
+        super().__init__(hidden_size, sizes, bias)
+        kv_start = self.tp_rank // replicas * self.kv_size  # kv head r * Hkv // tp when replicated
+        for shard_id in ("k", "v"):
+            offset, size, _, _ = self.shard_offsets[shard_id]
+            self.shard_offsets[shard_id] = (offset, size, kv_start, num_kv_heads * head_dim)
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({tp_size})")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
+                         "neither divides the other")
+
+
+class RowParallelLinear(Linear):
+    """Inputs split over the ranks: rank r holds columns [r * in / tp, (r + 1) * in / tp) of the
+    weight and gets that slice of the input; the partial outputs are summed over the ranks
+    (`reduce_results`), then the (whole, unsplit) bias is added once. Without `reduce_results`
+    the caller sums the outputs, and only rank 0 adds the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True) -> None:
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank_in_group, self.tp.world_size
+        super().__init__(divide(in_features, self.tp_size, "input size"), out_features, bias)
+        self.reduce_results = reduce_results
+        self.weight.weight_loader = self._load_columns
+
+    def _load_columns(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        load_slice(param.data, loaded, 1, self.tp_rank * size, size * self.tp_size, "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self._matmul(x, self.bias)  # the bias fused into the GEMM
+        out = self._matmul(x, None)
+        if self.reduce_results:
+            out = self.tp.all_reduce(out)
+        elif self.tp_rank != 0:
+            return out
+        return out if self.bias is None else out + self.bias
+
+
+# The names the layers had before tensor parallelism.
+MergedLinear = MergedColumnParallelLinear
+QKVLinear = QKVParallelLinear

@@ -1,4 +1,11 @@
-"""Token embedding and the LM head, which computes logits only for rows to sample."""
+"""Token embedding and the LM head, both split over the tensor-parallel ranks by vocabulary.
+
+The vocabulary is padded to a multiple of the number of ranks; rank r holds the rows
+[r * V' / tp, (r + 1) * V' / tp) of the padded table (padding rows zero). The embedding looks up
+the ids in its range, zeros the others and sums over the ranks; the LM head computes its slice
+of the logits (only for the rows to sample), gathers the slices and drops the padding, so every
+rank has the whole, identical logits. At one rank both are the plain layers.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +13,61 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import get_tp_group
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
-from pagedllm.model_executor.layers.linear import default_weight_loader
 from pagedllm.model_executor.layers.quantization import QuantizedLMHead
 
 
-class VocabEmbedding(nn.Module):
+class _VocabShard:
+    """This rank's rows of a vocabulary of `vocab_size`, and their loader."""
+
+    def _init_shard(self, vocab_size: int) -> None:
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank_in_group, self.tp.world_size
+        self.org_vocab_size = vocab_size
+        self.padded_vocab_size = -(-vocab_size // self.tp_size) * self.tp_size
+        self.num_rows = self.padded_vocab_size // self.tp_size
+        self.vocab_start = self.tp_rank * self.num_rows
+        self.vocab_end = min(self.vocab_start + self.num_rows, vocab_size)
+
+    def _load_vocab_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expected = (self.org_vocab_size, param.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: vocabulary table {expected} vs checkpoint {tuple(loaded.shape)}")
+        valid = max(0, self.vocab_end - self.vocab_start)
+        param.data[:valid].copy_(loaded[self.vocab_start : self.vocab_start + valid])
+        param.data[valid:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module, _VocabShard):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.weight.weight_loader = default_weight_loader
+        self._init_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+        self.weight.weight_loader = self._load_vocab_rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight).masked_fill_(~mine.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
 
 
-class LMHead(nn.Module):
-    """Owns its weight unless tied, in which case it reads the embedding's."""
+class ParallelLMHead(nn.Module, _VocabShard):
+    """Owns its weight (this rank's vocabulary rows) unless tied, in which case it reads the
+    embedding's, which is split the same way."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
+        self._init_shard(vocab_size)
         self.tied_to = tied_to
         self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py
         self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py
         if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-            self.weight.weight_loader = default_weight_loader
+            self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+            self.weight.weight_loader = self._load_vocab_rows
 
     def forward(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
@@ -45,4 +81,14 @@ class LMHead(nn.Module):
             logits = F.linear(hidden, weight)
         if softcap:
             logits = torch.tanh(logits.float() / softcap) * softcap
+        if self.tp_size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        if self.padded_vocab_size != self.org_vocab_size:
+            logits = logits[..., : self.org_vocab_size].contiguous()
         return logits
+
+
+# The names the layers had before tensor parallelism.
+VocabEmbedding = VocabParallelEmbedding
+LMHead = ParallelLMHead

@@ -1,5 +1,7 @@
 """Gemma 3 (text): sliding-window and global layers with their own rope bases,
-q/k RMSNorm, four norms per layer, embeddings scaled by sqrt(hidden_size)."""
+q/k RMSNorm, four norms per layer, embeddings scaled by sqrt(hidden_size). Split over the
+tensor-parallel ranks like Llama (heads, MLP columns, vocabulary); the logit softcap applies to
+each rank's slice of the logits."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ from torch import nn
 from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
-from pagedllm.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
 
 
@@ -21,13 +27,14 @@ class Gemma3Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        total_heads = config.num_attention_heads
         bias = bool(config.attention_bias)
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, config.num_key_value_heads, bias=bias
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # This rank's heads (all of them at one rank): the attention and its KV cache hold only these.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -53,8 +60,8 @@ class Gemma3MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter})
-        self.down_proj = Linear(inter, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act_fn = get_act_and_mul(config.hidden_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +89,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         ropes = {}
         for layer_type in sorted(set(config.layer_types)):
@@ -111,7 +118,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.config = config
         self.model = Gemma3Model(config)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Llama decoder (also Mistral); Qwen2 and Qwen3 reuse it with bias / q-k norm switched on."""
+"""Llama decoder (also Mistral); Qwen2 and Qwen3 reuse it with bias / q-k norm switched on.
+
+Attention heads, MLP columns and the vocabulary are split over the tensor-parallel ranks by the
+parallel layers (layers/linear.py, layers/vocab_embedding.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,13 @@ from torch import nn
 from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
 
 
@@ -27,16 +34,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.head_dim = head_dim_of(config)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.qkv_proj = QKVLinear(
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             bias=qkv_bias or attention_bias,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
+        # This rank's heads (all of them at one rank): the attention and its KV cache hold only these.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=attention_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -66,8 +75,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         inv_freq, scaling = compute_inv_freq(config, head_dim_of(config))
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
@@ -119,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
