@@ -56,3 +56,12 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
             break
         time.sleep(0.1)
     assert ray.available_resources().get("CPU") == 2
+
+
+def test_tensor_parallel_across_the_two_nodes(cluster, tiny_llama):
+    expected = _tokens(_llm(tiny_llama))
+    llm = _llm(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.model_executor
+    assert len(set(executor.node_ids)) == 2  # one CPU per node: one rank on each
+    assert _tokens(llm) == expected
+    executor.shutdown()
