@@ -102,8 +102,9 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 @dataclass(slots=True)
 class ParallelConfig:
     """How the model is spread over ranks (vLLM's names). One rank runs in the engine-core process
-    ("uni", the default) or in a worker process ("mp"); tensor parallelism runs one worker process
-    per rank ("mp"). Pipeline and data parallelism, and "ray", are checked and refused."""
+    ("uni", the default) or in a worker process ("mp"); tensor x pipeline parallel ranks run one
+    worker process each ("mp") or one Ray actor each ("ray"). Each of the data_parallel_size
+    engine cores has its own ranks."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -127,15 +128,22 @@ def build_parallel_config(tp: int, pp: int, dp: int, backend: str | None) -> Par
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                          f"got {backend!r}")
     config = ParallelConfig(tp, pp, dp, backend or ("uni" if tp * pp == 1 else "mp"))
-    if pp > 1:
-        raise ValueError(
-            f"this build runs tensor parallelism over worker processes ('mp' or 'ray') and data_parallel_size "
-            f"engine cores; pipeline_parallel_size={pp} is not available yet")
     if config.world_size > 1 and config.distributed_executor_backend == "uni":
         raise ValueError(
             f"distributed_executor_backend='uni' runs one rank in the engine-core process; "
-            f"tensor_parallel_size={tp} needs 'mp' or 'ray' (one worker per rank)")
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs 'mp' or 'ray' (one worker per rank)")
     return config
+
+
+def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: bool) -> None:
+    """That every stage gets a layer, and no draft model (it would need stages of its own)."""
+    if pp == 1:
+        return
+    layers = model_config.text_config.num_hidden_layers
+    if layers < pp:
+        raise ValueError(f"pipeline_parallel_size={pp} is more than the {layers} layers of {model_config.model}")
+    if draft_model:
+        raise ValueError("a draft model (speculative decoding) needs pipeline_parallel_size=1; ngram works")
 
 
 def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:

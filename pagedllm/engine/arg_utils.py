@@ -17,6 +17,7 @@ from pagedllm.config import (
     StructuredOutputsConfig,
     build_model_config,
     build_parallel_config,
+    check_pipeline_parallel,
     check_quantization,
     check_tensor_parallel,
     draft_model_config,
@@ -111,6 +112,8 @@ class EngineArgs:
                 self.quantization,
             )
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
+        check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
+                                speculative_config is not None and speculative_config.method == "draft_model")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

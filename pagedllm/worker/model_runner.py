@@ -17,11 +17,13 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed import get_pp_group
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.model_executor.models.utils import IntermediateTensors
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
@@ -39,6 +41,9 @@ class ModelRunner:
         self.device = config.device_config.device
         self.block_size = config.cache_config.block_size
         self.model = get_model(config.model_config, self.device)
+        self.pp = get_pp_group()
+        self.hidden_size = config.model_config.text_config.hidden_size
+        self._sending: tuple | None = None  # (work, tensor): the last send to the next stage
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         seed_gen = torch.Generator(device=self.device)
         seed_gen.manual_seed(config.model_config.seed)
@@ -101,9 +106,10 @@ class ModelRunner:
         passes = [([0] * n, 0)] + ([([0], n)] if n + 1 <= sched.max_model_len else [])
         for tokens, start in passes:
             step = prepare_inputs([tokens], [start], [[0]], self.block_size, self.device)
-            with set_forward_context(step.attn_metadata):
-                hidden = self.model(step.input_ids, step.positions)
-            self.model.compute_logits(hidden[-1:])
+            hidden = self._run_model(step)
+            if hidden is not None:
+                self.model.compute_logits(hidden[-1:])
+        self._wait_sent()
         for kv in self.kv_caches:
             kv[:, 0].zero_()
 
@@ -136,17 +142,39 @@ class ModelRunner:
             self.copy_blocks(sched.block_copies)
         step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
                               [r.block_ids for r in reqs], self.block_size, self.device)
-        with set_forward_context(step.attn_metadata):
-            hidden = self.model(step.input_ids, step.positions)
-        for i, r in enumerate(reqs):
-            if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
-                out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
+        hidden = self._run_model(step)
+        if hidden is not None:
+            for i, r in enumerate(reqs):
+                if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
+                    out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
         self._pending.append((reqs, hidden, step.cu_end, out))
+
+    def _run_model(self, step) -> torch.Tensor | None:
+        """The forward pass of this rank's layers: the hidden states of the previous pipeline stage
+        come in, this stage's go out to the next one (without waiting); the last stage returns them."""
+        intermediate = None
+        if not self.pp.is_first_rank:
+            shape = (len(step.input_ids), self.hidden_size)
+            intermediate = IntermediateTensors(self.pp.recv_prev(shape, self.config.model_config.dtype, self.device))
+        with set_forward_context(step.attn_metadata):
+            hidden = self.model(step.input_ids, step.positions, intermediate)
+        if self.pp.is_last_rank:
+            return hidden
+        self._wait_sent()
+        self._sending = (self.pp.isend_next(hidden.hidden_states), hidden.hidden_states)
+        return None
+
+    def _wait_sent(self) -> None:
+        if self._sending is not None:
+            self._sending[0].wait()
+            self._sending = None
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step `forward` ran, under the grammar bitmask, and propose the next drafts."""
         reqs, hidden, cu_end, out = self._pending.popleft()
+        if hidden is None:
+            return out  # nothing ran, or a pipeline stage before the last: nothing to sample here
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if sample_idx:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)

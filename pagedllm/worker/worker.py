@@ -25,6 +25,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.is_driver_worker = is_driver_worker
+        parallel = config.parallel_config
+        # The first rank of the last pipeline stage: it samples, and its output goes back.
+        self.is_output_rank = rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
@@ -40,7 +43,7 @@ class Worker:
                 torch.set_num_threads(max(1, _num_cpus() // parallel.world_size))
             init_distributed_environment(parallel.world_size, self.rank, parallel.distributed_init_method,
                                          "nccl" if device.type == "cuda" else "gloo")
-            initialize_model_parallel(parallel.tensor_parallel_size)
+            initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
@@ -65,9 +68,9 @@ class Worker:
         self.model_runner.forward(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
-        """The step's new tokens; only the driver rank's output goes back to the engine core."""
+        """The step's new tokens; only the output rank's go back to the engine core."""
         output = self.model_runner.sample_tokens(grammar_output)
-        return output if self.is_driver_worker else None
+        return output if self.is_output_rank else None
 
     def check_health(self) -> None:
         """A worker that answers is healthy; a dead one never answers (the executor notices)."""

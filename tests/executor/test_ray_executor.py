@@ -65,3 +65,13 @@ def test_tensor_parallel_across_the_two_nodes(cluster, tiny_llama):
     assert len(set(executor.node_ids)) == 2  # one CPU per node: one rank on each
     assert _tokens(llm) == expected
     executor.shutdown()
+
+
+def test_pipeline_stages_on_different_nodes(cluster, tiny_gemma3):
+    expected = _tokens(_llm(tiny_gemma3))
+    llm = _llm(tiny_gemma3, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.model_executor
+    assert executor.node_ids[0] != executor.node_ids[1]  # stage 0 on one node, stage 1 on the other
+    assert llm.llm_engine.engine_core.batch_queue_size == 2
+    assert _tokens(llm) == expected
+    executor.shutdown()

@@ -20,7 +20,14 @@ from pagedllm.model_executor.layers.linear import (
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.model_executor.models.utils import (
+    PACKED_MODULES,
+    IntermediateTensors,
+    PPMissingLayer,
+    load_weights,
+    make_layers,
+    on_stage,
+)
 
 
 class Gemma3Attention(nn.Module):
@@ -89,24 +96,28 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         self.embed_scale = config.hidden_size**0.5
         ropes = {}
         for layer_type in sorted(set(config.layer_types)):
             inv_freq, scaling = compute_inv_freq(config, config.head_dim, layer_type)
             ropes[layer_type] = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, ropes[config.layer_types[i]])
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: Gemma3DecoderLayer(config, i, ropes[config.layer_types[i]]))
+        self.norm = on_stage(False, lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # The scale is rounded to the activation dtype first, as the reference does.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None:
+            hidden = self.embed_tokens(input_ids)
+            # The scale is rounded to the activation dtype first, as the reference does.
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden = intermediate_tensors.hidden_states
+        for i in range(self.start_layer, self.end_layer):
+            hidden = self.layers[i](positions, hidden)
+        if isinstance(self.norm, PPMissingLayer):
+            return IntermediateTensors(hidden)
         return self.norm(hidden)
 
 
@@ -117,12 +128,14 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        embed = self.model.embed_tokens
+        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
+        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden, softcap=self.final_logit_softcapping)

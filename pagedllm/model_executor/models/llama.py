@@ -20,7 +20,14 @@ from pagedllm.model_executor.layers.linear import (
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.model_executor.models.utils import (
+    PACKED_MODULES,
+    IntermediateTensors,
+    PPMissingLayer,
+    load_weights,
+    make_layers,
+    on_stage,
+)
 
 
 def head_dim_of(config: Any) -> int:
@@ -101,20 +108,22 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         inv_freq, scaling = compute_inv_freq(config, head_dim_of(config))
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm))
+        self.norm = on_stage(False, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Hidden states after the norm; on a pipeline stage before the last, its layers' output."""
+        hidden = self.embed_tokens(input_ids) if intermediate_tensors is None else intermediate_tensors.hidden_states
+        for i in range(self.start_layer, self.end_layer):
+            hidden = self.layers[i](positions, hidden)
+        if isinstance(self.norm, PPMissingLayer):
+            return IntermediateTensors(hidden)
         return self.norm(hidden)
 
 
@@ -127,11 +136,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        embed = self.model.embed_tokens
+        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
+        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

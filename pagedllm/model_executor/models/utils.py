@@ -1,13 +1,46 @@
-"""Routing checkpoint tensors to parameters, each through its own weight_loader."""
+"""Routing checkpoint tensors to parameters, each through its own weight_loader; and what the
+models share for pipeline parallelism (a stage builds only its layers)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from pagedllm.distributed import get_pp_group, get_pp_indices
 from pagedllm.model_executor.layers.linear import default_weight_loader
+
+
+@dataclass(slots=True)
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the hidden states after its last layer."""
+
+    hidden_states: torch.Tensor
+
+
+class PPMissingLayer(nn.Identity):
+    """A module another pipeline stage holds: no weights here."""
+
+
+def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """This stage's layers [start, end), built; the others are PPMissingLayer, so every layer keeps
+    its index (and its checkpoint name)."""
+    pp = get_pp_group()
+    start, end = get_pp_indices(num_layers, pp.rank_in_group, pp.world_size)
+    layers = nn.ModuleList(build(i) if start <= i < end else PPMissingLayer() for i in range(num_layers))
+    return start, end, layers
+
+
+def on_stage(first: bool, build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` if this is the first (or last) stage as asked, else a PPMissingLayer."""
+    pp = get_pp_group()
+    return build() if (pp.is_first_rank if first else pp.is_last_rank) else PPMissingLayer()
+
+
+def _missing_prefixes(model: nn.Module) -> tuple[str, ...]:
+    return tuple(name + "." for name, m in model.named_modules() if isinstance(m, PPMissingLayer))
 
 # checkpoint sub-module → (stacked parameter's module, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -23,12 +56,20 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     """Copy checkpoint tensors into the model; every parameter must be covered."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
+    elsewhere = _missing_prefixes(model)  # modules of other pipeline stages
+    # Tied embeddings on a last stage without the embedding: the LM head owns a copy of it.
+    tied_copy = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in params
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        if name.startswith("lm_head.") and "lm_head.weight" not in params:
+        if tied_copy and name == "model.embed_tokens.weight":
+            params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor.to(params["lm_head.weight"].dtype))
+            loaded.add("lm_head.weight")
+        if name.startswith("lm_head.") and ("lm_head.weight" not in params or tied_copy):
             continue  # tied embeddings: the checkpoint may still carry a copy
+        if name.startswith(elsewhere):
+            continue
         parts = name.split(".")
         shard_id = None
         if len(parts) >= 2 and parts[-2] in packed:
