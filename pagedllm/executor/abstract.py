@@ -81,9 +81,19 @@ class Executor(ABC):
         Raises TimeoutError when a rank has not answered within `timeout` seconds."""
 
     # ---- start-up ---------------------------------------------------------
+    def determine_available_memory(self) -> list[int]:
+        """Bytes each rank gives its KV cache, in rank order."""
+        return self.collective_rpc("determine_available_memory")
+
     def determine_num_blocks(self) -> int:
-        """KV blocks every rank can hold (the minimum: all ranks share the block ids)."""
+        """KV blocks every rank can hold: the minimum over ranks, since all ranks share the block
+        ids (a rank's blocks hold its own kv heads of its own layers)."""
         return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_from_config(self, num_blocks: int) -> None:
+        """Allocate every rank's KV cache of `num_blocks` blocks, then warm the ranks up."""
+        self.initialize_cache(num_blocks)
+        self.compile_or_warm_up_model()
 
     def bytes_per_block(self) -> int:
         """KV bytes one block takes on the driver rank."""
@@ -111,3 +121,39 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers; idempotent."""
+
+
+class DistributedExecutorBase(Executor):
+    """An executor whose ranks run elsewhere (processes, Ray actors): a call is sent to every rank
+    at once and its replies are collected later. The step's forward pass is not waited for, so
+    the engine core fills the grammar bitmask while the ranks compute; with `non_block` the
+    step's output is a StepFuture, and several steps can be in flight (the batch queue)."""
+
+    _pending_forward: Any = None
+
+    @abstractmethod
+    def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Send the call to every rank; a handle to collect its replies with."""
+
+    @abstractmethod
+    def _collect(self, handle: Any, timeout: float | None) -> list[Any]:
+        """Every rank's reply to the call, in rank order; WorkerDiedError / TimeoutError."""
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return self._collect(self._send(method, args, kwargs or {}), timeout)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._pending_forward = self._send("execute_model", (scheduler_output,), {})
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
+        forward, self._pending_forward = self._pending_forward, None
+        sample = self._send("sample_tokens", (grammar_output,), {})
+
+        def fetch() -> ModelRunnerOutput:
+            if forward is not None:
+                self._collect(forward, None)
+            return self._collect(sample, None)[self.output_rank]
+
+        return StepFuture(fetch) if non_block else fetch()

@@ -20,8 +20,7 @@ from typing import Any
 
 import zmq
 
-from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor, StepFuture, WorkerDiedError
+from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
 from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.executor.worker_proc import run_worker
 
@@ -60,14 +59,13 @@ class _Workers:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutorBase):
     def _init_executor(self) -> None:
         self._call_id = 0
         self._codec = MessageCodec()
         # call id → (method, replies so far by rank): replies to several calls may interleave
         # (the batch queue keeps steps in flight); a reply to a call not here is a late one, dropped.
         self._in_flight: dict[int, tuple[str, dict[int, tuple[bool, Any]]]] = {}
-        self._pending_forward: int | None = None
         self._workers = workers = _Workers()
         self._finalizer = weakref.finalize(self, workers.close)
         world_size = self.config.parallel_config.world_size
@@ -112,27 +110,6 @@ class MultiprocExecutor(Executor):
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers.procs]
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
-        return self._collect(self._send(method, args, kwargs or {}), timeout)
-
-    # ---- one step: the forward pass is not waited for, so the engine core fills the grammar
-    # bitmask while the workers compute, and the step makes one round trip less.
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self._pending_forward = self._send("execute_model", (scheduler_output,), {})
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None,
-                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
-        forward_id, self._pending_forward = self._pending_forward, None
-        sample_id = self._send("sample_tokens", (grammar_output,), {})
-
-        def fetch() -> ModelRunnerOutput:
-            if forward_id is not None:
-                self._collect(forward_id, None)
-            return self._collect(sample_id, None)[self.output_rank]
-
-        return StepFuture(fetch) if non_block else fetch()
 
     def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> int:
         self._call_id += 1

@@ -20,8 +20,8 @@ import socket
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor, StepFuture, WorkerDiedError
+from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,19 @@ class RayWorkerWrapper:
             port = s.getsockname()[1]
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port
 
-    def init_worker(self, rank: int, distributed_init_method: str | None) -> None:
+    def init_worker(self, rank: int, distributed_init_method: str | None, num_threads: int) -> None:
         from pagedllm.worker.worker import Worker
 
         self.config.parallel_config.distributed_init_method = distributed_init_method
         self.worker = Worker(self.config, rank=rank, is_driver_worker=rank == 0)
+        self.worker.num_threads = num_threads
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Top-level arguments, so Ray resolves an object-store reference among them."""
         return getattr(self.worker, method)(*args, **kwargs)
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutorBase):
     def _init_executor(self) -> None:
         ray = self._ray = _import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -74,7 +75,6 @@ class RayDistributedExecutor(Executor):
         if self._started_ray:
             # Joins RAY_ADDRESS or a cluster started on this machine, else starts a local instance.
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-        self._pending_forward: list | None = None
         self.workers: list = []
         self.placement_group = None
         world_size = self.config.parallel_config.world_size
@@ -103,46 +103,30 @@ class RayDistributedExecutor(Executor):
             self.node_ids = [placements[i][0] for i in order]
             _, ip, port = placements[order[0]]
             init_method = f"tcp://{ip}:{port}" if world_size > 1 else None
-            ray.get([w.init_worker.remote(rank, init_method) for rank, w in enumerate(self.workers)])
+            # A node's CPUs (as Ray counts them) shared by the ranks placed on it.
+            node_cpus = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["Alive"]}
+            threads = [max(1, node_cpus.get(node, 1) // self.node_ids.count(node)) for node in self.node_ids]
+            ray.get([w.init_worker.remote(rank, init_method, threads[rank]) for rank, w in enumerate(self.workers)])
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
             raise
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
-        return self._collect(self._send(method, args, kwargs or {}), method, timeout)
-
-    def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list:
+    def _send(self, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple[str, list]:
         if args:  # one copy in the object store, read by every rank
             args = tuple(self._ray.put(a) if isinstance(a, (SchedulerOutput, GrammarOutput)) else a for a in args)
-        return [w.execute_method.remote(method, *args, **kwargs) for w in self.workers]
+        return method, [w.execute_method.remote(method, *args, **kwargs) for w in self.workers]
 
-    def _collect(self, refs: list, method: str, timeout: float | None) -> list[Any]:
+    def _collect(self, handle: tuple[str, list], timeout: float | None) -> list[Any]:
         ray = self._ray
+        method, refs = handle
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{method}: Ray workers did not answer within {timeout} s") from None
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(f"a Ray worker died during {method}: {e}") from None
-
-    # ---- one step: the forward pass is not waited for (see MultiprocExecutor) ----
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self._pending_forward = self._send("execute_model", (scheduler_output,), {})
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None,
-                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
-        forward, self._pending_forward = self._pending_forward, None
-        sample = self._send("sample_tokens", (grammar_output,), {})
-
-        def fetch() -> ModelRunnerOutput:
-            if forward is not None:
-                self._collect(forward, "execute_model", None)
-            return self._collect(sample, "sample_tokens", None)[self.output_rank]
-
-        return StepFuture(fetch) if non_block else fetch()
 
     def shutdown(self) -> None:
         ray = getattr(self, "_ray", None)

@@ -72,20 +72,22 @@ class ModelRunner:
             2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self._kv_layers()
         )
 
-    def determine_num_blocks(self) -> int:
+    def determine_available_memory(self) -> int:
+        """Bytes this rank gives its KV cache (num_gpu_blocks_override: exactly that many blocks)."""
         cache = self.config.cache_config
         if cache.num_gpu_blocks_override:
-            return cache.num_gpu_blocks_override
-        budget = cache.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cache.gpu_memory_utilization)
-            else:
-                # KV pages are touched only as they fill, but cap the reservation so the
-                # engine coexists with the rest of the machine.
-                budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
-        return max(1, budget // self.bytes_per_block())
+            return cache.num_gpu_blocks_override * self.bytes_per_block()
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * cache.gpu_memory_utilization)
+        # KV pages are touched only as they fill, but cap the reservation so the engine
+        # coexists with the rest of the machine.
+        return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    def determine_num_blocks(self) -> int:
+        return max(1, self.determine_available_memory() // self.bytes_per_block())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype

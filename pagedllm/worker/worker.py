@@ -29,6 +29,9 @@ class Worker:
         # The first rank of the last pipeline stage: it samples, and its output goes back.
         self.is_output_rank = rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self.model_runner: ModelRunner | None = None
+        # CPU threads for this rank; None: the cores this process may use, shared by all ranks
+        # (a Ray executor sets it from the ranks that share this rank's node).
+        self.num_threads: int | None = None
 
     def init_device(self) -> None:
         """Check that the device exists before the (slow) model load. With several ranks (each in
@@ -40,7 +43,7 @@ class Worker:
             if device.type == "cuda":
                 device = self.config.device_config.device = torch.device("cuda", self.rank)
             else:
-                torch.set_num_threads(max(1, _num_cpus() // parallel.world_size))
+                torch.set_num_threads(self.num_threads or max(1, _num_cpus() // parallel.world_size))
             init_distributed_environment(parallel.world_size, self.rank, parallel.distributed_init_method,
                                          "nccl" if device.type == "cuda" else "gloo")
             initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
@@ -49,6 +52,10 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config)
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank gives its KV cache."""
+        return self.model_runner.determine_available_memory()
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank has room for; the executor takes the minimum over ranks."""

@@ -43,10 +43,12 @@ def test_pp2_greedy_tokens_equal_one_rank(arch, tmp_path):
         two.llm_engine.engine_core.shutdown()
 
 
-def test_tp2_times_pp2_and_a_layer_partition(tiny_llama, monkeypatch):
-    expected = _tokens(_llm(tiny_llama))
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_tp2_times_pp2_and_a_layer_partition(arch, tmp_path, monkeypatch):
+    path = make_tiny_model(str(tmp_path), arch, **MODELS[arch])
+    expected = _tokens(_llm(path))
     monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
-    four = _llm(tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2)
+    four = _llm(path, tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         executor = four.llm_engine.engine_core.model_executor
         assert len(executor.worker_pids) == 4 and executor.output_rank == 2

@@ -13,6 +13,7 @@ import pytest
 from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
+from tests.utils import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -22,12 +23,13 @@ def _tokens(llm: LLM, params=GREEDY) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("backend", ["uni", "mp"])
-def test_offline_same_tokens_as_one_core_and_both_cores_work(tiny_gemma3, backend):
+@pytest.mark.parametrize("arch, backend", [("llama", "uni"), ("qwen3", "uni"), ("gemma3", "uni"), ("gemma3", "mp")])
+def test_offline_same_tokens_as_one_core_and_both_cores_work(arch, backend, tmp_path):
+    path = make_tiny_model(str(tmp_path), arch)
     kw = dict(dtype="float32", kv_cache_memory=1 << 24)
     sampled = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=6, ignore_eos=True)
-    expected = _tokens(LLM(tiny_gemma3, **kw)), _tokens(LLM(tiny_gemma3, **kw), sampled)
-    llm = LLM(tiny_gemma3, data_parallel_size=2, distributed_executor_backend=backend, **kw)
+    expected = _tokens(LLM(path, **kw)), _tokens(LLM(path, **kw), sampled)
+    llm = LLM(path, data_parallel_size=2, distributed_executor_backend=backend, **kw)
     assert len(llm.llm_engine.engine_cores) == 2
     assert (_tokens(llm), _tokens(llm, sampled)) == expected
     per_core = llm.llm_engine.get_engine_stats()

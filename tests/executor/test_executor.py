@@ -26,6 +26,8 @@ def test_the_engine_core_runs_on_a_uniproc_executor(llm):
     assert type(executor) is Executor.get_class(core.config) is UniProcExecutor
     assert executor.collective_rpc("determine_num_blocks") == [executor.driver_worker.determine_num_blocks()]
     assert executor.determine_num_blocks() == core.config.cache_config.num_blocks
+    assert executor.determine_available_memory() == [1 << 24]
+    assert executor.determine_num_blocks() == (1 << 24) // executor.bytes_per_block()
     assert executor.bytes_per_block() == executor.driver_worker.model_runner.bytes_per_block()
     executor.check_health()
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -35,13 +37,13 @@ def test_the_engine_core_runs_on_a_uniproc_executor(llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "tensor_parallel_size=2 needs 'mp'"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+     "tensor_parallel_size=2 x pipeline_parallel_size=1 needs 'mp' or 'ray'"),
+    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size=4 is more than the 3 layers"),
     ({"distributed_executor_backend": "threads"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
 ])
-def test_unavailable_parallel_layouts_are_refused_clearly(tiny_llama, kwargs, message):
+def test_parallel_layouts_that_cannot_run_are_refused_clearly(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=tiny_llama, **kwargs).create_engine_config()
 
