@@ -76,6 +76,9 @@ class Scheduler:
         # queue). Such a request is never preempted: its step's output would be lost, and seeded
         # sampling would have drawn for nothing. The scheduler waits for the step instead.
         self.num_steps_in_flight: dict[str, int] = {}
+        # Steps the engine core keeps in flight (pipeline stages): the running requests are split
+        # over that many steps, so each stage has a batch to work on while the next one runs.
+        self.pipeline_depth = 1
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,7 +158,8 @@ class Scheduler:
 
         # 1. Running requests, oldest first.
         i = 0
-        while i < len(self.running) and budget > 0:
+        per_step = -(-len(self.running) // self.pipeline_depth)
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < per_step:
             request = self.running[i]
             # Draft tokens are scheduled like any other: verified in this forward pass.
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)

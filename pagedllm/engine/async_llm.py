@@ -5,7 +5,6 @@ data-parallel rank, each with its own executor and KV cache, requests spread by 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -43,11 +42,12 @@ class AsyncLLM:
             self.clients = [MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead,
                                      while_starting=self._load_frontend)]
         else:
-            self.clients = self._start_engines(dataclasses.replace(engine_args, data_parallel_size=1), num_engines)
+            self.clients = self._start_engines(engine_args, num_engines)
         self.client = self.clients[0]
 
     def _start_engines(self, core_args: EngineArgs, num_engines: int) -> list[MPClient]:
-        """The data-parallel engine cores, started side by side while the tokenizer loads here."""
+        """The data-parallel engine cores, started side by side while the tokenizer loads here
+        (each core process builds one EngineCore from the same arguments)."""
         call_ids = itertools.count()
         with ThreadPoolExecutor(num_engines, thread_name_prefix="EngineCoreStart") as pool:
             futures = [pool.submit(MPClient, core_args, self._on_outputs, self._on_utility, self._on_dead,

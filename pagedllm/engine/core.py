@@ -46,6 +46,7 @@ class EngineCore:
         self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)
         # Pipeline parallel: steps in flight, oldest first (vLLM's batch queue).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.scheduler.pipeline_depth = self.batch_queue_size
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:

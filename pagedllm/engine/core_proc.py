@@ -34,7 +34,10 @@ _IDLE_POLL_MS = 1000  # while idle: wake up this often to notice a dead parent
 
 def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) -> None:
     """Process entry point (spawned): build the core, announce READY, serve until told to stop."""
+    import torch
+
     from pagedllm.engine.core import EngineCore
+    from pagedllm.worker.worker import num_cpus
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
     init_logging(prefix=f"(EngineCore pid={os.getpid()}) ")
@@ -55,6 +58,9 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
             config = engine_args.create_engine_config()
         finally:
             gguf_logger.setLevel(level)
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1 and config.device_config.device.type == "cpu":
+            torch.set_num_threads(max(1, num_cpus() // dp))  # the other engine cores run beside this one
         core = EngineCore(config)
     except Exception as e:  # report why, so the front can raise a clear error
         out.send_multipart([EngineCoreOutputType.FAILED, encoder.encode(f"{type(e).__name__}: {e}")])

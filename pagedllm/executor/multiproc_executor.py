@@ -23,6 +23,7 @@ import zmq
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
 from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.executor.worker_proc import run_worker
+from pagedllm.worker.worker import num_cpus
 
 _POLL_MS = 100
 _SHUTDOWN_WAIT_S = 5.0
@@ -80,9 +81,11 @@ class MultiprocExecutor(DistributedExecutorBase):
             workers.broadcast.setsockopt(zmq.SNDHWM, 0)  # never drop a call
             broadcast_addr = f"ipc://{workers.dir}/broadcast"
             workers.broadcast.bind(broadcast_addr)
+            # This machine's cores, shared by every rank of every data-parallel engine core.
+            threads = max(1, num_cpus() // (world_size * self.config.parallel_config.data_parallel_size))
             spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: torch does not survive fork
             for rank in range(world_size):
-                proc = spawn.Process(target=run_worker, args=(self.config, rank, broadcast_addr, reply_addr),
+                proc = spawn.Process(target=run_worker, args=(self.config, rank, broadcast_addr, reply_addr, threads),
                                      name=f"PagedllmWorker-{rank}", daemon=True)
                 proc.start()
                 workers.procs.append(proc)

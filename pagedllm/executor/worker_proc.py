@@ -20,7 +20,7 @@ from pagedllm.worker.worker import Worker
 _PARENT_CHECK_MS = 1000
 
 
-def run_worker(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr: str) -> None:
+def run_worker(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr: str, num_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
     init_logging(prefix=f"(Worker rank={rank} pid={os.getpid()}) ")
     parent = os.getppid()
@@ -33,6 +33,7 @@ def run_worker(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr:
     replies.connect(reply_addr)
     codec = MessageCodec()
     worker = Worker(config, rank=rank, is_driver_worker=rank == 0)
+    worker.num_threads = num_threads
     try:
         while True:
             if not requests.poll(_PARENT_CHECK_MS):

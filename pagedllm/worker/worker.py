@@ -29,8 +29,8 @@ class Worker:
         # The first rank of the last pipeline stage: it samples, and its output goes back.
         self.is_output_rank = rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self.model_runner: ModelRunner | None = None
-        # CPU threads for this rank; None: the cores this process may use, shared by all ranks
-        # (a Ray executor sets it from the ranks that share this rank's node).
+        # CPU threads for this rank, set by an executor that knows what else runs beside it (the
+        # ranks on its node, data-parallel engine cores); None: this process's cores over its ranks.
         self.num_threads: int | None = None
 
     def init_device(self) -> None:
@@ -39,11 +39,13 @@ class Worker:
         the model. On CUDA rank r takes GPU r; on CPU the ranks share the cores."""
         device = self.config.device_config.device
         parallel = self.config.parallel_config
+        if device.type == "cpu" and self.num_threads:
+            torch.set_num_threads(self.num_threads)
         if parallel.world_size > 1:
             if device.type == "cuda":
                 device = self.config.device_config.device = torch.device("cuda", self.rank)
-            else:
-                torch.set_num_threads(self.num_threads or max(1, _num_cpus() // parallel.world_size))
+            elif not self.num_threads:
+                torch.set_num_threads(max(1, num_cpus() // parallel.world_size))
             init_distributed_environment(parallel.world_size, self.rank, parallel.distributed_init_method,
                                          "nccl" if device.type == "cuda" else "gloo")
             initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
@@ -88,7 +90,7 @@ class Worker:
             destroy_distributed_environment()
 
 
-def _num_cpus() -> int:
+def num_cpus() -> int:
     """The cores this process may run on (its affinity), else the machine's."""
     try:
         return len(os.sched_getaffinity(0))

@@ -1,7 +1,8 @@
 """The engine core's batch queue (pipeline parallel keeps one step in flight per stage): the next
 step is scheduled before the previous one's output arrives. Tokens must not change: chunked
-prefills continue, sampling requests wait for their token, samples of n > 1 fork, and a request
-preempted while its step is in flight ignores that step's output."""
+prefills continue, sampling requests wait for their token, samples of n > 1 fork, the running
+requests are split over the steps in flight, and no request is preempted while its step is in
+flight."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_l
 def _run(model: str, queue_size: int, **kw):
     llm = LLM(model, dtype="float32", block_size=8, max_num_batched_tokens=16, **kw)
     core = llm.llm_engine.engine_core
-    core.batch_queue_size = queue_size
+    core.batch_queue_size = core.scheduler.pipeline_depth = queue_size  # as pipeline_parallel_size would
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert not core.batch_queue
     return [[c.token_ids for c in o.outputs] for o in outs], outs[0].prompt_logprobs, llm.llm_engine.get_stats()
