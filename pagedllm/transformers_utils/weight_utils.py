@@ -26,17 +26,66 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor at a time, read into private memory that is freed once the caller has copied
-    it into its parameter. (safe_open memory-maps the file, and the mapped pages stay in the
-    process's resident set until the file is closed: ~1 GB more at the peak for a 270M model
-    stored in float32.) safe_open still parses and checks the header."""
+    """One whole tensor at a time, in private memory (see `iterate_checkpoint`)."""
+    for name, tensor in iterate_checkpoint(model_dir):
+        yield name, tensor.load()
+
+
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """One tensor at a time, read only when the consumer asks, and only the part it asks for
+    (a tensor-parallel rank reads its slice), into private memory freed once it is copied into
+    its parameter. (safe_open memory-maps the file, and the mapped pages stay in the process's
+    resident set until the file is closed: ~1 GB more at the peak for a 270M model stored in
+    float32.) safe_open still parses and checks the header. A tensor is valid until the next."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
         header, data_start = _read_header(path)
         with open(path, "rb") as raw:
             for name in names:
-                yield name, _read_tensor(raw, header[name], data_start)
+                yield name, CheckpointTensor(raw, header[name], data_start)
+
+
+class CheckpointTensor:
+    """A tensor in a safetensors file, not read yet: `load()` reads all of it, `narrow(dim, ...)`
+    and `[a:b]` only a slice (rows are one read; columns of a matrix one read per row)."""
+
+    __slots__ = ("_raw", "_offset", "shape", "dtype")
+
+    def __init__(self, raw, info: dict, data_start: int) -> None:
+        self._raw = raw
+        self._offset = data_start + info["data_offsets"][0]
+        self.shape = torch.Size(info["shape"])
+        self.dtype = _DTYPES[info["dtype"]]
+
+    def _read(self, offset: int, count: int) -> torch.Tensor:
+        """`count` elements from element `offset`, as a flat tensor."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        buf = bytearray(count * itemsize)
+        if buf:
+            self._raw.seek(self._offset + offset * itemsize)
+            self._raw.readinto(buf)
+            return torch.frombuffer(buf, dtype=self.dtype)
+        return torch.empty(0, dtype=self.dtype)
+
+    def load(self) -> torch.Tensor:
+        return self._read(0, self.shape.numel()).view(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim %= len(self.shape)
+        inner = self.shape[dim + 1 :].numel()
+        if dim == 0:
+            return self._read(start * inner, length * inner).view(length, *self.shape[1:])
+        rows = self.shape[:dim].numel()
+        row = self.shape[dim:].numel()
+        parts = [self._read(r * row + start * inner, length * inner) for r in range(rows)]
+        return torch.cat(parts).view(*self.shape[:dim], length, *self.shape[dim + 1 :])
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        start, stop, step = index.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("only contiguous row slices")
+        return self.narrow(0, start, max(0, stop - start))
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -48,12 +97,3 @@ def _read_header(path: str) -> tuple[dict, int]:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(size)), 8 + size
-
-
-def _read_tensor(raw, info: dict, data_start: int) -> torch.Tensor:
-    begin, end = info["data_offsets"]
-    raw.seek(data_start + begin)
-    buf = bytearray(end - begin)
-    raw.readinto(buf)
-    flat = torch.frombuffer(buf, dtype=_DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=_DTYPES[info["dtype"]])
-    return flat.view(info["shape"])

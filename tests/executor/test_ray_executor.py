@@ -10,6 +10,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.abstract import WorkerDiedError
+from tests.utils import make_tiny_model
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -58,20 +59,16 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
     assert ray.available_resources().get("CPU") == 2
 
 
-def test_tensor_parallel_across_the_two_nodes(cluster, tiny_llama):
-    expected = _tokens(_llm(tiny_llama))
-    llm = _llm(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_two_ranks_on_the_two_nodes(cluster, tmp_path, arch, layout):
+    """TP=2 puts one rank on each node; PP=2 one stage on each (the stage boundary is the only
+    traffic between the machines)."""
+    path = make_tiny_model(str(tmp_path), arch, **({"num_key_value_heads": 1} if arch == "qwen3" else {}))
+    expected = _tokens(_llm(path))
+    llm = _llm(path, distributed_executor_backend="ray", **{layout: 2})
     executor = llm.llm_engine.engine_core.model_executor
-    assert len(set(executor.node_ids)) == 2  # one CPU per node: one rank on each
-    assert _tokens(llm) == expected
-    executor.shutdown()
-
-
-def test_pipeline_stages_on_different_nodes(cluster, tiny_gemma3):
-    expected = _tokens(_llm(tiny_gemma3))
-    llm = _llm(tiny_gemma3, pipeline_parallel_size=2, distributed_executor_backend="ray")
-    executor = llm.llm_engine.engine_core.model_executor
-    assert executor.node_ids[0] != executor.node_ids[1]  # stage 0 on one node, stage 1 on the other
-    assert llm.llm_engine.engine_core.batch_queue_size == 2
+    assert len(set(executor.node_ids)) == 2
+    assert llm.llm_engine.engine_core.batch_queue_size == (2 if layout == "pipeline_parallel_size" else 1)
     assert _tokens(llm) == expected
     executor.shutdown()

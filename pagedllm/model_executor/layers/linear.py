@@ -24,17 +24,20 @@ from torch import nn
 from pagedllm.distributed import get_tp_group
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
+from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
+    """The whole checkpoint tensor (a torch tensor, or a CheckpointTensor not read yet)."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.load() if isinstance(loaded, CheckpointTensor) else loaded)
 
 
 def load_slice(target: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int, what: str) -> None:
     """Copy rows (dim 0) or columns (dim 1) [start, start + size) of the checkpoint tensor
-    `loaded`, whose size along `dim` must be `full`, into `target` (size `size` along `dim`)."""
+    `loaded`, whose size along `dim` must be `full`, into `target` (size `size` along `dim`). A
+    CheckpointTensor reads only that slice from the file."""
     expected = list(target.shape)
     expected[dim] = full
     if list(loaded.shape) != expected:

@@ -13,7 +13,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
-from pagedllm.transformers_utils.weight_utils import iterate_safetensors
+from pagedllm.transformers_utils.weight_utils import iterate_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.text_config)
     finally:
         torch.set_default_dtype(prev_dtype)
-    model.load_weights(iterate_safetensors(model_config.model_path))
+    model.load_weights(iterate_checkpoint(model_config.model_path))
     if model_config.quantization:
         from pagedllm.model_executor.loader.quantize import quantize_model
 

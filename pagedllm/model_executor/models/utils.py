@@ -64,7 +64,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if "rotary_emb.inv_freq" in name:
             continue
         if tied_copy and name == "model.embed_tokens.weight":
-            params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor.to(params["lm_head.weight"].dtype))
+            params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor)
             loaded.add("lm_head.weight")
         if name.startswith("lm_head.") and ("lm_head.weight" not in params or tied_copy):
             continue  # tied embeddings: the checkpoint may still carry a copy
@@ -80,7 +80,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
-        tensor = tensor.to(param.dtype)
         if shard_id is None:
             loader(param, tensor)
         else:
