@@ -4,6 +4,10 @@ a killed actor is an error, not a hang, and shutdown leaves no actor behind."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -72,3 +76,25 @@ def test_two_ranks_on_the_two_nodes(cluster, tmp_path, arch, layout):
     assert llm.llm_engine.engine_core.batch_queue_size == (2 if layout == "pipeline_parallel_size" else 1)
     assert _tokens(llm) == expected
     executor.shutdown()
+
+
+def test_an_existing_cluster_is_found_through_ray_address(cluster, tiny_llama):
+    """A driver that never calls ray.init joins the cluster named by RAY_ADDRESS (as after
+    `ray start --head` and `ray start --address=...` on the machines)."""
+    script = (
+        "import json, sys\n"
+        "from pagedllm import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], dtype='float32', kv_cache_memory=1 << 24, distributed_executor_backend='ray',"
+        " tensor_parallel_size=2)\n"
+        "ex = llm.llm_engine.engine_core.model_executor\n"
+        "outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),"
+        " use_tqdm=False)\n"
+        "print(json.dumps([len(set(ex.node_ids)), [o.outputs[0].token_ids for o in outs]]))\n"
+        "ex.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    done = subprocess.run([sys.executable, "-c", script, tiny_llama, json.dumps(PROMPTS)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    num_nodes, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert num_nodes == 2 and tokens == _tokens(_llm(tiny_llama))

@@ -1,0 +1,48 @@
+"""`pagedllm serve` with a distributed layout, driven by the openai SDK: -dp 2 spreads concurrent
+requests over two engine cores (each labelled in /metrics), and -pp 2 serves through two pipeline
+stages; both answer as one rank does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+
+PROMPTS = ["Hello, my name is", "The sky is", "One two three", "Paris is"]
+
+
+async def _complete_all(url: str) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    outs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                                            extra_body={"ignore_eos": True}) for p in PROMPTS])
+    return [o.choices[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tmp_path_factory) -> list[str]:
+    serving = _serve(tiny_llama, tmp_path_factory)
+    url = next(serving)
+    try:
+        return asyncio.run(_complete_all(url))
+    finally:
+        next(serving, None)
+
+
+@pytest.mark.parametrize("layout", [("--data-parallel-size", "2"), ("--pipeline-parallel-size", "2")])
+def test_served_layout_answers_as_one_rank(tiny_llama, tmp_path_factory, reference, layout):
+    serving = _serve(tiny_llama, tmp_path_factory, extra_args=layout)
+    url = next(serving)
+    try:
+        assert asyncio.run(_complete_all(url)) == reference
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        if layout[0] == "--data-parallel-size":
+            for engine in ("0", "1"):
+                line = next(ln for ln in metrics.splitlines()
+                            if ln.startswith(f'pagedllm:prefix_cache_queries_total{{engine="{engine}"'))
+                assert float(line.rsplit(" ", 1)[1]) > 0  # both cores served requests
+    finally:
+        next(serving, None)
