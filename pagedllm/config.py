@@ -10,6 +10,7 @@ these. It imports nothing from the model code above it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ class ModelConfig:
     tokenizer: str
     trust_remote_code: bool = False
     quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading; None: off
+    runner: str = "generate"  # or "pooling": each request's prompt is pooled into one vector
+    pooler_config: PoolerConfig | None = None  # the pooling runner's
 
     @property
     def architecture(self) -> str:
@@ -51,6 +54,56 @@ class ModelConfig:
     def text_config(self) -> Any:
         get = getattr(self.hf_config, "get_text_config", None)
         return get() if get else self.hf_config
+
+
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+# Architectures that only pool (encoders): `--runner auto` picks "pooling" for them.
+POOLING_ARCHITECTURES = {"BertModel"}
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """How hidden states become one vector (vLLM's --pooler-config): MEAN over the prompt's
+    tokens, its first (CLS) or last token; then L2-normalized unless `normalize` is False."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        self.pooling_type = str(self.pooling_type).upper()
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
+def build_pooler_config(model_path: str, architecture: str, override: dict | str | None) -> PoolerConfig:
+    """A sentence-transformers model says its pooling in modules.json (Pooling, Normalize); an
+    encoder defaults to CLS, a decoder to its last token; `override` (a dict or its JSON) wins."""
+    config = PoolerConfig("CLS" if architecture in POOLING_ARCHITECTURES else "LAST", True)
+    modules_path = os.path.join(model_path, "modules.json")
+    if os.path.isfile(modules_path):
+        with open(modules_path) as f:
+            modules = json.load(f)
+        config.normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+        for m in modules:
+            if m.get("type", "").endswith(".Pooling"):
+                with open(os.path.join(model_path, m.get("path", ""), "config.json")) as f:
+                    pooling = json.load(f)
+                for mode, name in (("pooling_mode_mean_tokens", "MEAN"), ("pooling_mode_cls_token", "CLS"),
+                                   ("pooling_mode_lasttoken", "LAST")):
+                    if pooling.get(mode):
+                        config.pooling_type = name
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError:
+            raise ValueError(f"pooler_config must be a JSON object, got {override!r}") from None
+    if override:
+        unknown = set(override) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(f"pooler_config: unknown keys {sorted(unknown)}")
+        config = PoolerConfig(override.get("pooling_type", config.pooling_type), override.get("normalize",
+                                                                                           config.normalize))
+    return config
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""What `LLM.generate` returns: the vLLM `RequestOutput` shape."""
+"""What `LLM.generate` returns (the vLLM `RequestOutput` shape), and what `LLM.encode` / `LLM.embed`
+return (`PoolingRequestOutput`, `EmbeddingRequestOutput`)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,37 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = field(default=None)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: list[float]  # the pooled vector
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids, out.finished)

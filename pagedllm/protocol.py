@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     group_id: str | None = None
+    # A pooling request: its prompt is pooled into one vector, and it generates nothing.
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -60,6 +63,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     # Sent with the first token: one entry per prompt token after the first.
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # A pooling request's vector (with its finish).
+    pooling_output: list[float] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

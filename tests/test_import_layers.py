@@ -38,6 +38,7 @@ LAYERS = [
     "logger",
     "cpu_isa",
     "sampling_params",
+    "pooling_params",
     "outputs",
     "protocol",
     "transformers_utils",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class Request:
     # (0 tokens: none; it is sent whole when next scheduled).
     num_synced_tokens: int = 0
     num_synced_blocks: int = 0
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -84,6 +86,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             group_id=req.group_id,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     # A request resumed after a preemption brings its outputs so far (penalties, stop checks).
     output_token_ids: list[int] = []
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -86,3 +88,5 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_logprobs: dict[str, list[LogprobsEntry]] = {}
     # Speculative decoding: the drafts proposed for each request's next step (None: none).
     spec_token_ids: list[list[int] | None] | None = None
+    # Pooling requests whose prompt this step completed: their vectors (None for the others).
+    pooler_output: list[list[float] | None] | None = None

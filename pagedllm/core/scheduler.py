@@ -372,7 +372,7 @@ class Scheduler:
             if request.num_synced_tokens == 0:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,
-                    request.output_token_ids[:]))
+                    request.output_token_ids[:], request.pooling_params))
             else:
                 cached.req_ids.append(req_id)
                 cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])
@@ -404,6 +404,14 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while its step ran
+            pooled = runner_output.pooler_output[row] if runner_output.pooler_output else None
+            if pooled is not None:  # a pooling request is done once its prompt is computed
+                request.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput(req_id, [], "stop", num_cached_tokens=max(0, request.num_cached_tokens),
+                                                pooling_output=pooled))
+                self.running.remove(request)
+                self._free_request(request)
+                continue
             chunk_prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if chunk_prompt_logprobs is not None:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + chunk_prompt_logprobs

@@ -7,9 +7,12 @@ to files (and converting a GGUF) happens here, above config.py, which only descr
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 
 from pagedllm.config import (
+    POOLING_ARCHITECTURES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -17,6 +20,7 @@ from pagedllm.config import (
     StructuredOutputsConfig,
     build_model_config,
     build_parallel_config,
+    build_pooler_config,
     check_pipeline_parallel,
     check_quantization,
     check_tensor_parallel,
@@ -24,6 +28,7 @@ from pagedllm.config import (
     parse_speculative_config,
     resolve_device,
 )
+from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import resolve_model_path
 
 
@@ -56,6 +61,10 @@ class EngineArgs:
     # "deepseek_r1" or "qwen3": structured outputs start after the reasoning (and the server
     # splits reasoning_content from content)
     reasoning_parser: str | None = None
+    # "auto": "pooling" for encoder-only architectures (BERT), else "generate"
+    runner: str = "auto"
+    # The pooling runner's {"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": bool}, or its JSON
+    pooler_config: dict | str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -72,10 +81,25 @@ class EngineArgs:
                                                 self.data_parallel_size, self.distributed_executor_backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model
+        model_path = resolve_model_path(model)
         model_config = build_model_config(
-            self.model, resolve_model_path(self.model), self.tokenizer, self.dtype, device, self.max_model_len,
+            model, model_path, self.tokenizer, self.dtype, device, self.max_model_len or _st_max_len(model_path),
             self.seed, self.trust_remote_code, self.quantization,
         )
+        is_encoder = model_config.architecture in POOLING_ARCHITECTURES
+        model_config.runner = ("pooling" if is_encoder else "generate") if self.runner == "auto" else self.runner
+        pooling = model_config.runner == "pooling"
+        if is_encoder and not pooling:
+            raise ValueError(f"{model_config.architecture} is an encoder: it embeds, it cannot generate text; "
+                             "start it with --runner pooling")
+        if pooling:
+            model_config.pooler_config = build_pooler_config(model_path, model_config.architecture,
+                                                             self.pooler_config)
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config needs --runner pooling")
         check_tensor_parallel(model_config, parallel_config.tensor_parallel_size)
         max_model_len = model_config.max_model_len
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -95,17 +119,22 @@ class EngineArgs:
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
         max_batched = self.max_num_batched_tokens
+        # A pooled prompt is computed in one step (an encoder attends to all of it at once), and
+        # every token's hidden state is needed (no prefix-cache hits).
+        chunked_prefill = self.enable_chunked_prefill and not pooling
         if max_batched is None:
-            max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            max_batched = 8192 if chunked_prefill else max(8192, max_model_len)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
-        if not self.enable_chunked_prefill and max_batched < max_model_len:
+        if not chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
                 f"({max_model_len}) with chunked prefill disabled; a long prompt could never run"
             )
 
         speculative_config = parse_speculative_config(self.speculative_config)
+        if pooling and speculative_config is not None:
+            raise ValueError("speculative decoding needs --runner generate: a pooling request generates no tokens")
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config.draft_model_config = draft_model_config(
                 speculative_config, resolve_model_path(speculative_config.model), model_config, device,
@@ -120,14 +149,14 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked_prefill,
                 policy=self.scheduling_policy,
                 max_n=self.max_n,
             ),
@@ -137,3 +166,12 @@ class EngineArgs:
             parallel_config=parallel_config,
         )
 
+
+
+def _st_max_len(model_path: str) -> int | None:
+    """A sentence-transformers model's max_seq_length (sentence_bert_config.json), its default length."""
+    path = os.path.join(model_path, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("max_seq_length")

@@ -40,7 +40,7 @@ class EngineCore:
                     num_blocks / blocks_per_seq, time.perf_counter() - start)
         start = time.perf_counter()
         self.model_executor.compile_or_warm_up_model()
-        logger.info("Warm-up: one prefill and one decode pass in %.1f s", time.perf_counter() - start)
+        logger.info("Warm-up: the first forward passes in %.1f s", time.perf_counter() - start)
         self.structured_output_manager = StructuredOutputManager(
             config.model_config, config.structured_outputs_config.reasoning_parser)
         self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)

@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm.config import ModelConfig, SchedulerConfig
 from pagedllm.engine.output_processor import OutputProcessor, OutputProcessorResult, ParentRequest
 from pagedllm.engine.processor import Processor, PromptType, fan_out
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.reasoner import Reasoner
@@ -22,6 +23,7 @@ class Frontend:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  reasoning_parser: str | None = None) -> None:
         self.model_config = model_config
+        self.pooling = model_config.runner == "pooling"
         self.scheduling_policy = scheduler_config.policy
         start = time.perf_counter()
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
@@ -45,6 +47,9 @@ class Frontend:
     ) -> list[EngineCoreRequest]:
         """Validate and register a request; returns the engine-core requests to submit
         (one, or one per sample for n / best_of > 1). Raises ValueError on bad input."""
+        if self.pooling:
+            raise ValueError("this model runs --runner pooling: it embeds, it does not generate text; start it with "
+                             "--runner generate (a generation model) to generate")
         op = self.output_processor
         if request_id in op.request_states or request_id in op.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -62,6 +67,19 @@ class Frontend:
             op.add_request(child_id, text, child.prompt_token_ids, child.sampling_params, request.arrival_time,
                            parent=parent, index=i)
         return [child for _, child in children]
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            arrival_time: float | None = None) -> EngineCoreRequest:
+        """Validate and register a request to pool (embed, encode); raises ValueError on bad input."""
+        if not self.pooling:
+            raise ValueError("this model runs --runner generate; pooling (embeddings) needs a server or LLM started "
+                             "with --runner pooling (LLM(model, runner='pooling'))")
+        op = self.output_processor
+        if request_id in op.request_states or request_id in op.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request, text = self.processor.process_pooling_inputs(request_id, prompt, params, arrival_time)
+        op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
+        return request
 
     def process_outputs(self, outputs, timestamp: float) -> OutputProcessorResult:
         return self.output_processor.process_outputs(outputs, timestamp)

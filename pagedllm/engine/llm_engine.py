@@ -15,7 +15,8 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -54,7 +55,12 @@ class LLMEngine:
         for request in requests:
             core.add_request(request)
 
-    def step(self) -> list[RequestOutput]:
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            arrival_time: float | None = None) -> None:
+        request = self.frontend.add_pooling_request(request_id, prompt, params, arrival_time)
+        self.engine_cores[self.balancer.assign([request_id])].add_request(request)
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         busy = [core for core in self.engine_cores if core.has_unfinished_requests()] or self.engine_cores[:1]
         if busy[0].batch_queue_size > 1:  # pipeline parallel: each core keeps its own steps in flight
             finish = [core.step for core in busy]

@@ -10,7 +10,7 @@ from typing import Any
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprobs import PromptLogprobs, SampleLogprobs, make_logprobs_dict
 from pagedllm.engine.stop_checker import find_stop_string
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedllm.protocol import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -59,7 +59,7 @@ class RequestState:
 
 @dataclass(slots=True)
 class OutputProcessorResult:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     # Requests the output side finished (stop strings): the engine core must drop them.
     reqs_to_abort: list[str]
 
@@ -104,13 +104,18 @@ class OutputProcessor:
         """One RequestOutput per request per call: a parent gets one after all its samples'
         outputs of the step are applied, not one per sample (which is O(n^2) per step)."""
         now = now or time.time()
-        results: list[RequestOutput] = []
+        results: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
         parents: dict[str, ParentRequest] = {}  # touched in this call, in order
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted on this side already
+            if out.pooling_output is not None:
+                del self.request_states[out.request_id]
+                results.append(PoolingRequestOutput(out.request_id, PoolingOutput(out.pooling_output),
+                                                    state.prompt_token_ids))
+                continue
             if self._update(state, out, now) and out.finish_reason is None:
                 to_abort.append(out.request_id)  # finished here by a stop string
             if state.finish_reason is not None:

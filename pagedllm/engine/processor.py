@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import ModelConfig
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams, check_text
 
@@ -72,6 +73,39 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+        )
+        return request, text
+
+    def process_pooling_inputs(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """A prompt to pool: up to max_model_len tokens (after `truncate_prompt_tokens`, which
+        keeps the last ones), nothing to generate."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the input is empty (no tokens)")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        self._check_token_ids("input token ids", token_ids)
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"the input is {len(token_ids)} tokens long; this model's maximum is {max_len} "
+                             "(truncate_prompt_tokens keeps the last tokens)")
+        if params.dimensions is not None:
+            text_config = self.model_config.text_config
+            if not (getattr(text_config, "is_matryoshka", False)
+                    or getattr(text_config, "matryoshka_dimensions", None)):
+                raise ValueError(f"dimensions: {self.model_config.model} does not support matryoshka representation "
+                                 "(its embeddings cannot be shortened)")
+            if params.dimensions > text_config.hidden_size:
+                raise ValueError(f"dimensions must be at most {text_config.hidden_size}, got {params.dimensions}")
+        request = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(temperature=0, max_tokens=1, detokenize=False),
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.time(), pooling_params=params,
         )
         return request, text
 

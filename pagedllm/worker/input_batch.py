@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class CachedRequestState:
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens with K/V in the cache before this step
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
     # A step's part, in the row `InputBatch.update_states` makes for it:
     token_ids: list[int] = field(default_factory=list)  # the tokens to compute (drafts last)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
@@ -80,4 +82,4 @@ class InputBatch:
 
 def _from_new(new: NewRequestData) -> CachedRequestState:
     return CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
-                              new.num_computed_tokens, list(new.output_token_ids))
+                              new.num_computed_tokens, list(new.output_token_ids), new.pooling_params)

@@ -20,6 +20,7 @@ from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedul
 from pagedllm.distributed import get_pp_group
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.pooler import finish_vectors, pool
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.loader.model_loader import get_model
@@ -42,6 +43,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model = get_model(config.model_config, self.device)
         self.pp = get_pp_group()
+        self.pooler_config = config.model_config.pooler_config  # None: the generate runner
         self.hidden_size = config.model_config.text_config.hidden_size
         self._sending: tuple | None = None  # (work, tensor): the last send to the next stage
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -87,7 +89,11 @@ class ModelRunner:
         return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
 
     def determine_num_blocks(self) -> int:
-        return max(1, self.determine_available_memory() // self.bytes_per_block())
+        per_block = self.bytes_per_block()
+        if per_block == 0:  # an encoder keeps no K/V: blocks are only the scheduler's bookkeeping
+            sched = self.config.scheduler_config
+            return sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
+        return max(1, self.determine_available_memory() // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype
@@ -105,11 +111,13 @@ class ModelRunner:
         oneDNN's primitive creation, allocator growth). Block 0 is zeroed again afterwards."""
         sched = self.config.scheduler_config
         n = max(1, min(self.block_size - 1, sched.max_model_len - 1, sched.max_num_batched_tokens))
-        passes = [([0] * n, 0)] + ([([0], n)] if n + 1 <= sched.max_model_len else [])
+        passes = [([0] * n, 0)]
+        if n + 1 <= sched.max_model_len and self.pooler_config is None:  # a pooling model never decodes
+            passes.append(([0], n))
         for tokens, start in passes:
             step = prepare_inputs([tokens], [start], [[0]], self.block_size, self.device)
             hidden = self._run_model(step)
-            if hidden is not None:
+            if hidden is not None and self.pooler_config is None:
                 self.model.compute_logits(hidden[-1:])
         self._wait_sent()
         for kv in self.kv_caches:
@@ -145,11 +153,27 @@ class ModelRunner:
         step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
                               [r.block_ids for r in reqs], self.block_size, self.device)
         hidden = self._run_model(step)
-        if hidden is not None:
+        if hidden is not None and self.pooler_config is not None:
+            self._pool(reqs, hidden, step, out)
+        elif hidden is not None:
             for i, r in enumerate(reqs):
                 if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
                     out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
         self._pending.append((reqs, hidden, step.cu_end, out))
+
+    def _pool(self, reqs: list[CachedRequestState], hidden: torch.Tensor, step, out: ModelRunnerOutput) -> None:
+        """The vectors of the pooling requests whose prompt this step completed."""
+        done = [i for i, r in enumerate(reqs) if r.sample]
+        if not done:
+            return
+        pooled = pool(hidden, step.cu_start[done], step.cu_end[done], self.pooler_config.pooling_type)
+        params = [reqs[i].pooling_params for i in done]
+        default = self.pooler_config.normalize
+        vectors = finish_vectors(pooled, [default if p.normalize is None else p.normalize for p in params],
+                                 [p.dimensions for p in params])
+        out.pooler_output = [None] * len(reqs)
+        for i, vector in zip(done, vectors):
+            out.pooler_output[i] = vector
 
     def _run_model(self, step) -> torch.Tensor | None:
         """The forward pass of this rank's layers: the hidden states of the previous pipeline stage
@@ -175,8 +199,8 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step `forward` ran, under the grammar bitmask, and propose the next drafts."""
         reqs, hidden, cu_end, out = self._pending.popleft()
-        if hidden is None:
-            return out  # nothing ran, or a pipeline stage before the last: nothing to sample here
+        if hidden is None or self.pooler_config is not None:
+            return out  # nothing ran, a pipeline stage before the last, or pooled in forward()
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if sample_idx:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)

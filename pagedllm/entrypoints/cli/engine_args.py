@@ -54,6 +54,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                        help="pooling: embed (one vector per input) instead of generating; auto picks it for "
+                             "encoder models (BERT); with no model, the default is all-MiniLM-L6-v2")
+    parser.add_argument("--pooler-config", default=None,
+                        help='the pooling runner\'s JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'')
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="ranks the model is split over (heads, MLP, vocabulary), one worker process each")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size)

@@ -1,0 +1,154 @@
+"""BERT (encoder only, as sentence-transformers embedders use it): word + absolute position +
+token type embeddings, post-norm layers with bidirectional attention, no KV cache.
+
+The batch stays packed (one row per token, no padding) through every linear; only attention
+pads, once per forward pass, into [sequences, longest, heads, head_dim] for one SDPA call with a
+key-padding mask. The sequences come from the step's attention metadata: each pooled prompt is
+computed whole in one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.forward_context import get_attention_metadata
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.models.utils import load_weights
+
+# checkpoint sub-module → (stacked parameter's module, shard id)
+BERT_PACKED = {"query": ("qkv_proj", "q"), "key": ("qkv_proj", "k"), "value": ("qkv_proj", "v")}
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # One segment (token type 0) per prompt.
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class PaddedBatch:
+    """Where each packed token sits in a [sequences, longest] grid, from the step's metadata."""
+
+    def __init__(self, num_tokens: int, device: torch.device) -> None:
+        segments = get_attention_metadata().prefills
+        lens = torch.tensor([s.query_len for s in segments], device=device)
+        starts = torch.tensor([s.token_start for s in segments], device=device)
+        longest = int(lens.max())
+        cols = torch.arange(longest, device=device)
+        self.mask = cols < lens[:, None]  # [B, L]: real tokens
+        self.index = (starts[:, None] + cols)[self.mask]  # packed token of each real cell, row-major
+        if self.index.numel() != num_tokens:
+            raise RuntimeError("an encoder step must hold whole prompts, each from its first token")
+        self.key_mask = self.mask[:, None, None, :]  # [B, 1, 1, L] for SDPA
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        heads = config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, heads, bias=True)
+        self.num_heads = self.qkv_proj.num_heads
+
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        shape = (*batch.mask.shape, self.num_heads, self.head_dim)
+        padded = []
+        for t in (q, k, v):
+            p = t.new_zeros(shape)
+            p[batch.mask] = t
+            padded.append(p.transpose(1, 2))  # [B, H, L, D]
+        out = F.scaled_dot_product_attention(*padded, attn_mask=batch.key_mask)
+        return out.transpose(1, 2)[batch.mask].reshape(-1, self.num_heads * self.head_dim)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: Any, in_features: int) -> None:
+        super().__init__()
+        self.dense = RowParallelLinear(in_features, config.hidden_size, bias=True)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        return self.output(self.self(x, batch), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"BERT activation {config.hidden_act!r} is not supported")
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+        self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(x), approximate=self.approximate)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        x = self.attention(x, batch)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """Returns the last layer's hidden states of every token; the pooler makes the vectors."""
+
+    packed_modules_mapping = BERT_PACKED
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None) -> torch.Tensor:
+        batch = PaddedBatch(len(input_ids), input_ids.device)
+        x = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            x = layer(x, batch)
+        return x
+
+    def load_weights(self, weights) -> set[str]:
+        # A checkpoint of BertModel may carry its pooler (unused: sentence embedders pool
+        # themselves) and, saved from a task model, a "bert." prefix.
+        def renamed():
+            for name, tensor in weights:
+                name = name.removeprefix("bert.")
+                if not name.startswith(("pooler.", "cls.")) and "position_ids" not in name:
+                    yield name, tensor
+
+        return load_weights(self, renamed())
