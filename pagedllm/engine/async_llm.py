@@ -18,7 +18,8 @@ from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
@@ -161,6 +162,31 @@ class AsyncLLM:
                 yield out
                 if finished:
                     return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """The pooled vector of one prompt: one PoolingRequestOutput, finished. Closing the
+        generator early aborts the request."""
+        self._bind_loop()
+        if self.errored:
+            raise EngineDeadError()
+        queue: asyncio.Queue = asyncio.Queue()
+        request = self.frontend.add_pooling_request(request_id, prompt, pooling_params, time.time())
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self.clients[self.balancer.assign([request_id])].add_request(request)
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
         finally:
             if not finished:
                 self._abort_now(request_id)

@@ -8,7 +8,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,13 @@ class EngineClient(Protocol):
     ) -> AsyncGenerator[RequestOutput, None]:
         """An async generator (`async def ... yield`) of cumulative RequestOutputs, the last
         with finished=True; closing it early aborts the request."""
+        ...
+
+    def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling engine's vector for the prompt (one finished output); a generation engine
+        raises ValueError saying how to start a pooling one."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -33,7 +33,8 @@ def test_async_llm_is_an_engine_client():
 
 
 def test_async_llm_members_match_the_protocol():
-    assert inspect.isasyncgenfunction(AsyncLLM.generate)
+    assert inspect.isasyncgenfunction(AsyncLLM.generate) and inspect.isasyncgenfunction(AsyncLLM.encode)
+    assert inspect.signature(AsyncLLM.encode) == inspect.signature(EngineClient.encode)
     assert inspect.signature(AsyncLLM.generate) == inspect.signature(EngineClient.generate)
     for name in COROUTINES:
         assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), name

@@ -20,6 +20,7 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
+from pagedllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, EmbeddingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,6 +36,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.server_config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.stream_utils import ClientDisconnected
@@ -99,6 +101,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     chat = OpenAIServingChat(engine, names, metrics, config)
     completion = OpenAIServingCompletion(engine, names, metrics)
     tokenization = OpenAIServingTokenization(chat)
+    embedding = OpenAIServingEmbedding(engine, names, metrics)
 
     app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine = engine
@@ -112,6 +115,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", responses=responses(CompletionResponse, 400, 401, 404, 413, 503, stream=True))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await _serve(completion.create(request, raw_request))
+
+    @app.post("/v1/embeddings", responses=responses(EmbeddingResponse, 400, 401, 404, 413, 503))
+    async def create_embedding(request: EmbeddingRequest) -> Response:
+        async def work() -> Response:
+            return JSONResponse((await embedding.create(request)).model_dump())
+        return await _serve(work())
 
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:

@@ -137,6 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_generation_runner()
         self._check(request)
         model = self.model_name(request.model)
         text, ids = await run_blocking(

@@ -80,6 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_generation_runner()
         self.check_common(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")

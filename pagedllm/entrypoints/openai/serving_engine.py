@@ -127,6 +127,12 @@ class OpenAIServing:
             logger.info("sampling defaults from the model's generation_config: %s", self.default_sampling)
 
     # ---- checks -----------------------------------------------------------
+    def check_generation_runner(self) -> None:
+        if getattr(self.model_config, "runner", "generate") == "pooling":
+            raise OpenAIError("This server runs a pooling (embedding) model, which does not generate text; start a "
+                              "generation server for completions: pagedllm serve MODEL (--runner generate)",
+                              param="model")
+
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; an unknown name is a 404 as in OpenAI's API."""
         if requested is None or requested == "":

@@ -32,6 +32,10 @@ class FakeEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    async def encode(self, prompt, pooling_params, request_id):
+        raise ValueError("this model runs --runner generate")
+        yield  # an async generator, as AsyncLLM.encode
+
     async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
         if self.errored:
             raise EngineDeadError()

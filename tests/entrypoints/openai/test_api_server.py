@@ -384,3 +384,8 @@ def test_auto_tool_choice_lets_the_parser_adjust_the_request(fake_engine):
     r = TestClient(app).post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
     _, params, *_ = fake_engine.calls[-1]
     assert params.skip_special_tokens is True  # no tools: untouched
+
+
+def test_embeddings_on_a_generation_server_say_how_to_start_a_pooling_one(client):
+    err = _error(client.post("/v1/embeddings", json={"input": "hi"}), 400)
+    assert "--runner pooling" in err["message"] and err["param"] == "model"

@@ -1,0 +1,78 @@
+"""POST /v1/embeddings: each input pooled by the engine (all of them at once, batched by the
+scheduler), as floats or base64 float32."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+
+import numpy as np
+
+from pagedllm.entrypoints.openai.pooling_protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, run_blocking
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+
+POOLING_SERVER_HINT = ("start a pooling server for embeddings: pagedllm serve MODEL --runner pooling "
+                       "(with no MODEL, the default embedding model all-MiniLM-L6-v2)")
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        if getattr(self.model_config, "runner", "generate") != "pooling":
+            raise OpenAIError(f"This server runs a generation model, which does not embed; {POOLING_SERVER_HINT}",
+                              param="model")
+        model = self.model_name(request.model)
+        prompts = await run_blocking(self._prompts, request)
+        params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions,
+                               truncate_prompt_tokens=request.truncate_prompt_tokens)
+        base_id = f"embd-{uuid.uuid4().hex}"
+        outs = await asyncio.gather(*[self._encode(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)])
+        data = [EmbeddingData(index=i, embedding=_encode_vector(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outs)]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return EmbeddingResponse(data=data, model=model, usage=usage)
+
+    def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
+        """Token ids per input; an input over max_model_len is a 400 unless truncated."""
+        inputs = request.input
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not inputs:
+            raise OpenAIError("input must not be empty", param="input")
+        prompts = []
+        for item in inputs:
+            ids = self.encode(item, param="input") if isinstance(item, str) else list(item)
+            if not ids:
+                raise OpenAIError("an input is empty (no tokens)", param="input")
+            self.check_token_ids(ids, "input")
+            if request.truncate_prompt_tokens is not None:
+                ids = ids[-request.truncate_prompt_tokens :]
+            if len(ids) > self.max_model_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, an input is "
+                    f"{len(ids)} tokens long. Shorten it, or set truncate_prompt_tokens.", param="input")
+            prompts.append(ids)
+        return prompts
+
+    async def _encode(self, prompt: list[int], params: PoolingParams, request_id: str) -> PoolingRequestOutput:
+        try:
+            async for out in self.engine.encode(prompt, params, request_id):
+                if out.finished:
+                    return out
+        except ValueError as e:
+            raise OpenAIError(str(e), param="dimensions" if "dimensions" in str(e) else "input") from None
+        raise OpenAIError(f"request {request_id} ended without an embedding", 500)
+
+
+def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

@@ -1,0 +1,75 @@
+"""`pagedllm serve --runner pooling` (the default embedding model) as a real process: the openai
+SDK's embeddings.create (float and base64, strings and token ids), LangChain's OpenAIEmbeddings,
+and the 400s for what a pooling server cannot do."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from pagedllm.transformers_utils.default_model import resolve_default_pooling_model
+from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _serve(resolve_default_pooling_model(), tmp_path_factory, extra_args=("--runner", "pooling"))
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from pagedllm import LLM
+
+    llm = LLM(runner="pooling", dtype="float32")
+    return [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+
+
+def _close(a, b) -> bool:
+    return np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_openai_sdk_floats_base64_and_token_ids(client, offline):
+    floats = client.embeddings.create(model=MODEL, input=TEXTS)
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.model == MODEL
+    assert all(_close(d.embedding, ref) for d, ref in zip(floats.data, offline))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(TEXTS)
+    # Asked for explicitly, base64 arrives as the string: little-endian float32.
+    packed = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="base64")
+    assert _close(np.frombuffer(base64.b64decode(packed.data[0].embedding), dtype="<f4"), offline[0])
+    by_ids = client.embeddings.create(model=MODEL, input=[[101, 7592, 2088, 102], [101, 102]])
+    assert len(by_ids.data) == 2 and len(by_ids.data[0].embedding) == 384
+
+
+def test_langchain_openai_embeddings(server, offline):
+    from langchain_openai import OpenAIEmbeddings
+
+    emb = OpenAIEmbeddings(model=MODEL, base_url=f"{server}/v1", api_key=API_KEY, check_embedding_ctx_length=False)
+    docs = emb.embed_documents(TEXTS)
+    assert all(_close(d, ref) for d, ref in zip(docs, offline))
+    assert _close(emb.embed_query(TEXTS[1]), offline[1])
+
+
+def test_what_a_pooling_server_refuses(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server}/v1/embeddings", headers=headers, json={"model": MODEL, "input": "word " * 400})
+    assert r.status_code == 400 and "maximum context length is 256" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/embeddings", headers=headers,
+                   json={"model": MODEL, "input": "word " * 400, "truncate_prompt_tokens": 256})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
+    with pytest.raises(openai.BadRequestError, match="matryoshka"):
+        client.embeddings.create(model=MODEL, input="hi", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="start a generation server"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="start a generation server"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
