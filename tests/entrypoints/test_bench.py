@@ -111,3 +111,13 @@ def test_throughput_under_a_json_schema_with_unconstrained_baseline(model_dir: s
     assert m["unconstrained_output_tokens_per_second"] > 0 and m["output_tokens_per_second"] > 0
     assert m["num_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     assert "Unconstrained (same engine, run first)" in capsys.readouterr().out
+
+
+def test_pooling_throughput_beside_sentence_transformers(tmp_path) -> None:
+    """`--runner pooling` on the default embedding model: sentences of 8-64 tokens, both timed."""
+    args = _parse(["bench", "throughput", "--runner", "pooling", "--dtype", "float32", "--num-prompts", "40",
+                   "--compare-sentence-transformers", "--output-json", str(tmp_path / "pool.json")])
+    m = run_throughput(args)
+    assert m["num_sentences"] == 40 and 40 * 8 <= m["num_tokens"] <= 40 * 64
+    assert m["sentences_per_second"] > 0 and m["sentence_transformers_sentences_per_second"] > 0
+    assert json.loads((tmp_path / "pool.json").read_text())["speedup_over_sentence_transformers"] > 0

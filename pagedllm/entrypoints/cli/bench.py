@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.cli.bench_pooling import add_pooling_args
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
 _PROMPT_SEED = 0  # fixed, so every run (and both backends) gets the same prompts
@@ -42,6 +43,7 @@ def add_bench_parser(subparsers) -> None:
                     help="also time the same workload greedily in the same engine, right before: sampling cost "
                          "without the process-to-process variation (~10%% here)")
     tp.add_argument("--output-json", default=None)
+    add_pooling_args(tp)
     _add_structured_output_arg(tp)
     tp.add_argument("--compare-unconstrained", action="store_true",
                     help="with --structured-output-json: also time the workload without the schema in the same "
@@ -147,6 +149,11 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = engine_args_from_namespace(args)
     config = engine_args.create_engine_config()  # resolves the model path (and GGUF cache) once
     tokenizer = _load_tokenizer(config)
+    if config.model_config.runner == "pooling":
+        from pagedllm.entrypoints.cli.bench_pooling import run_pooling_throughput
+
+        metrics = run_pooling_throughput(args, engine_args, tokenizer)
+        return _report(metrics, metrics.pop("lines"), args.output_json)
     if args.dataset:
         prompts = _dataset_prompts(args.dataset, tokenizer, args.num_prompts)
     else:
