@@ -75,3 +75,16 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # both texts' tokens
+    finished: bool = True

@@ -26,3 +26,22 @@ class PoolingParams:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+
+def pair_up(firsts: list, seconds: list) -> tuple[list, list]:
+    """vLLM's score pairing: one first text against every second one, or two lists of equal length
+    pair by pair."""
+    if not firsts or not seconds:
+        raise ValueError("text_1 and text_2 must not be empty")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or as many as "
+                         "text_2")
+    return firsts, seconds
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm else 0.0

@@ -11,8 +11,14 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams, cosine, pair_up
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -104,6 +110,24 @@ class LLM:
         `normalize`, `dimensions` (matryoshka models) and `truncate_prompt_tokens`."""
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, pooling_params, use_tqdm)]
 
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of each pair's embeddings: one text_1 against every text_2, or the
+        two lists pair by pair."""
+        firsts, seconds = pair_up(_as_prompt_list(text_1), _as_prompt_list(text_2))
+        unique = list(dict.fromkeys(map(_key, firsts + seconds)))
+        by_key = dict(zip(unique, self.embed([_unkey(k) for k in unique], use_tqdm=use_tqdm)))
+        outs = []
+        for i, (a, b) in enumerate(zip(firsts, seconds)):
+            ea, eb = by_key[_key(a)], by_key[_key(b)]
+            outs.append(ScoringRequestOutput(str(i), ScoringOutput(cosine(ea.outputs.embedding, eb.outputs.embedding)),
+                                             ea.prompt_token_ids + eb.prompt_token_ids))
+        return outs
+
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
@@ -160,3 +184,12 @@ def _per_prompt(params, prompts: list, what: str) -> list:
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} {what}")
     return params
+
+
+def _key(prompt) -> str | tuple:
+    """A hashable form of a prompt (a text, or token ids), to embed each distinct one once."""
+    return prompt if isinstance(prompt, str) else ("ids", tuple(prompt))
+
+
+def _unkey(key):
+    return key if isinstance(key, str) else list(key[1])

@@ -73,3 +73,29 @@ def test_what_a_pooling_server_refuses(server, client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="start a generation server"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_score_and_rerank_routes(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    query, docs = "Where do cats sleep?", ["Stock prices fell today.", "Cats sleep on the sofa.", "Dogs bark."]
+    scores = {}
+    for path in ("/score", "/v1/score"):
+        r = httpx.post(f"{server}{path}", headers=headers, json={"model": MODEL, "text_1": query, "text_2": docs})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+        scores[path] = [d["score"] for d in body["data"]]
+    assert scores["/score"] == scores["/v1/score"] and max(range(3), key=scores["/score"].__getitem__) == 1
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(f"{server}{path}", headers=headers,
+                       json={"model": MODEL, "query": query, "documents": docs, "top_n": 2})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -scores["/score"][i])[:2]
+        assert results[0]["document"] == {"text": docs[1]} and r.json()["usage"]["total_tokens"] > 0
+        assert abs(results[0]["relevance_score"] - scores["/score"][1]) < 1e-6
+    r = httpx.post(f"{server}/rerank", headers=headers,
+                   json={"query": query, "documents": [{"text": d} for d in docs], "return_documents": False})
+    assert len(r.json()["results"]) == 3 and "document" not in r.json()["results"][0]
+    r = httpx.post(f"{server}/score", headers=headers, json={"text_1": docs[:2], "text_2": docs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"

@@ -105,3 +105,20 @@ def test_decoder_models_embed(tmp_path, arch, pooling_type):
         ref = hidden[-1] if pooling_type == "LAST" else hidden.mean(0)
         assert _cos(out.outputs.embedding, ref) >= 0.99999
         assert abs(np.linalg.norm(out.outputs.embedding) - 1) < 1e-5
+
+
+def test_score_is_the_cosine_of_the_embeddings(minilm):
+    from sentence_transformers import SentenceTransformer, util
+
+    from pagedllm.transformers_utils.default_model import resolve_default_pooling_model
+
+    query, docs = "Where do cats sleep?", ["Cats sleep on the sofa.", "Stock prices fell today.", "Dogs bark."]
+    outs = minilm.score(query, docs, use_tqdm=False)
+    st = SentenceTransformer(resolve_default_pooling_model(), device="cpu")
+    ref = util.cos_sim(st.encode([query]), st.encode(docs))[0]
+    assert [round(o.outputs.score, 4) for o in outs] == [round(float(r), 4) for r in ref]
+    assert max(range(3), key=lambda i: outs[i].outputs.score) == 0
+    pairwise = minilm.score(docs, docs, use_tqdm=False)  # each text with itself
+    assert all(abs(o.outputs.score - 1) < 1e-5 for o in pairwise)
+    with pytest.raises(ValueError, match="give one text_1, or as many as text_2"):
+        minilm.score(docs[:2], docs, use_tqdm=False)

@@ -20,7 +20,14 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
-from pagedllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, EmbeddingResponse
+from pagedllm.entrypoints.openai.pooling_protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,6 +45,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.stream_utils import ClientDisconnected
 from pagedllm.version import __version__
@@ -102,6 +110,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completion = OpenAIServingCompletion(engine, names, metrics)
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, names, metrics)
+    scoring = OpenAIServingScore(engine, names, metrics)
 
     app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine = engine
@@ -121,6 +130,21 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         async def work() -> Response:
             return JSONResponse((await embedding.create(request)).model_dump())
         return await _serve(work())
+
+    async def score(request: ScoreRequest) -> Response:
+        async def work() -> Response:
+            return JSONResponse((await scoring.score(request)).model_dump())
+        return await _serve(work())
+
+    async def rerank(request: RerankRequest) -> Response:
+        async def work() -> Response:
+            return JSONResponse((await scoring.rerank(request)).model_dump(exclude_none=True))
+        return await _serve(work())
+
+    for path in ("/score", "/v1/score"):
+        app.post(path, responses=responses(ScoreResponse, 400, 401, 404, 413, 503))(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path, responses=responses(RerankResponse, 400, 401, 404, 413, 503))(rerank)
 
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:

@@ -38,3 +38,61 @@ class EmbeddingResponse(OpenAIBaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+class ScoreRequest(TopLevelRequest):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class ScoreData(OpenAIBaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocumentIn(TopLevelRequest):
+    text: str
+
+
+class RerankRequest(TopLevelRequest):
+    """Jina's and Cohere's shape: a query, documents, the top_n most relevant back."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocumentIn]
+    top_n: int | None = Field(default=None, ge=0)  # None or 0: all
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

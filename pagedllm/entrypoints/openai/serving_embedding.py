@@ -24,41 +24,47 @@ POOLING_SERVER_HINT = ("start a pooling server for embeddings: pagedllm serve MO
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    async def create(self, request: EmbeddingRequest) -> EmbeddingResponse:
+    def check_pooling_runner(self) -> None:
         if getattr(self.model_config, "runner", "generate") != "pooling":
             raise OpenAIError(f"This server runs a generation model, which does not embed; {POOLING_SERVER_HINT}",
                               param="model")
+
+    async def create(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        self.check_pooling_runner()
         model = self.model_name(request.model)
-        prompts = await run_blocking(self._prompts, request)
+        prompts = await run_blocking(self._prompts, request.input, request.truncate_prompt_tokens)
         params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions,
                                truncate_prompt_tokens=request.truncate_prompt_tokens)
-        base_id = f"embd-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*[self._encode(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)])
+        outs = await self.embed(prompts, params, "embd")
         data = [EmbeddingData(index=i, embedding=_encode_vector(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outs)]
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
         return EmbeddingResponse(data=data, model=model, usage=usage)
 
-    def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
+    async def embed(self, prompts: list[list[int]], params: PoolingParams, prefix: str) -> list[PoolingRequestOutput]:
+        """Every prompt's pooled output, all submitted at once (the scheduler batches them)."""
+        base_id = f"{prefix}-{uuid.uuid4().hex}"
+        return list(await asyncio.gather(*[self._encode(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]))
+
+    def _prompts(self, inputs, truncate_prompt_tokens: int | None, param: str = "input") -> list[list[int]]:
         """Token ids per input; an input over max_model_len is a 400 unless truncated."""
-        inputs = request.input
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not inputs:
-            raise OpenAIError("input must not be empty", param="input")
+            raise OpenAIError(f"{param} must not be empty", param=param)
         prompts = []
         for item in inputs:
-            ids = self.encode(item, param="input") if isinstance(item, str) else list(item)
+            ids = self.encode(item, param=param) if isinstance(item, str) else list(item)
             if not ids:
-                raise OpenAIError("an input is empty (no tokens)", param="input")
-            self.check_token_ids(ids, "input")
-            if request.truncate_prompt_tokens is not None:
-                ids = ids[-request.truncate_prompt_tokens :]
+                raise OpenAIError(f"an item of {param} is empty (no tokens)", param=param)
+            self.check_token_ids(ids, param)
+            if truncate_prompt_tokens is not None:
+                ids = ids[-truncate_prompt_tokens:]
             if len(ids) > self.max_model_len:
                 raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, an input is "
-                    f"{len(ids)} tokens long. Shorten it, or set truncate_prompt_tokens.", param="input")
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, an item of "
+                    f"{param} is {len(ids)} tokens long. Shorten it, or set truncate_prompt_tokens.", param=param)
             prompts.append(ids)
         return prompts
 
