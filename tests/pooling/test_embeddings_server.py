@@ -99,3 +99,15 @@ def test_score_and_rerank_routes(server):
     assert len(r.json()["results"]) == 3 and "document" not in r.json()["results"][0]
     r = httpx.post(f"{server}/score", headers=headers, json={"text_1": docs[:2], "text_2": docs})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
+
+
+def test_pooling_route_gives_the_raw_pooled_states(server, offline):
+    r = httpx.post(f"{server}/pooling", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL, "input": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    data = [d["data"] for d in r.json()["data"]]
+    assert r.json()["data"][0]["object"] == "pooling"
+    # Not normalized: the same direction as the embedding, another length.
+    for raw, emb in zip(data, offline):
+        raw = np.asarray(raw)
+        assert abs(np.linalg.norm(raw) - 1) > 1e-3 and _close(raw / np.linalg.norm(raw), emb)

@@ -45,7 +45,8 @@ def run_pooling_throughput(args: argparse.Namespace, engine_args: EngineArgs, to
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
-            raise ValueError("--compare-sentence-transformers needs: pip install sentence-transformers") from None
+            raise ValueError("--compare-sentence-transformers needs sentence-transformers: "
+                             "pip install -e \".[bench]\"") from None
         config = engine_args.create_engine_config()
         st = SentenceTransformer(config.model_config.model_path, device="cpu")
         st.encode(sentences[:32], batch_size=32)  # warm-up, as the engine warms up at start

@@ -23,6 +23,8 @@ from pagedllm.entrypoints.openai.openapi import drop_validation_responses, respo
 from pagedllm.entrypoints.openai.pooling_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
+    PoolingRequest,
+    PoolingResponse,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
@@ -129,6 +131,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def create_embedding(request: EmbeddingRequest) -> Response:
         async def work() -> Response:
             return JSONResponse((await embedding.create(request)).model_dump())
+        return await _serve(work())
+
+    @app.post("/pooling", responses=responses(PoolingResponse, 400, 401, 404, 413, 503))
+    async def create_pooling(request: PoolingRequest) -> Response:
+        async def work() -> Response:
+            return JSONResponse((await embedding.pooling(request)).model_dump())
         return await _serve(work())
 
     async def score(request: ScoreRequest) -> Response:

@@ -96,3 +96,22 @@ class RerankResponse(OpenAIBaseModel):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: the raw pooled hidden states (not normalized unless asked)."""
+
+
+class PoolingData(OpenAIBaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: EmbeddingUsage

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
 
 import numpy as np
@@ -14,6 +15,9 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, run_blocking
 from pagedllm.outputs import PoolingRequestOutput
@@ -41,6 +45,20 @@ class OpenAIServingEmbedding(OpenAIServing):
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
         return EmbeddingResponse(data=data, model=model, usage=usage)
+
+    async def pooling(self, request: PoolingRequest) -> PoolingResponse:
+        """The pooled hidden states as they come out of the pooler: normalized only if asked."""
+        self.check_pooling_runner()
+        model = self.model_name(request.model)
+        prompts = await run_blocking(self._prompts, request.input, request.truncate_prompt_tokens)
+        params = PoolingParams(normalize=bool(request.normalize), dimensions=request.dimensions,
+                               truncate_prompt_tokens=request.truncate_prompt_tokens, task="encode")
+        outs = await self.embed(prompts, params, "pool")
+        data = [PoolingData(index=i, data=_encode_vector(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outs)]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return PoolingResponse(id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=data,
+                               usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     async def embed(self, prompts: list[list[int]], params: PoolingParams, prefix: str) -> list[PoolingRequestOutput]:
         """Every prompt's pooled output, all submitted at once (the scheduler batches them)."""
