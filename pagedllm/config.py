@@ -58,7 +58,12 @@ class ModelConfig:
 
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # Architectures that only pool (encoders): `--runner auto` picks "pooling" for them.
-POOLING_ARCHITECTURES = {"BertModel"}
+POOLING_ARCHITECTURES = {"BertModel", "BertForSequenceClassification"}
+
+
+def is_classifier(architecture: str) -> bool:
+    """A sequence classifier: its pooled state goes through a head to one logit per label."""
+    return architecture.endswith("ForSequenceClassification")
 
 
 @dataclass(slots=True)
@@ -78,7 +83,7 @@ class PoolerConfig:
 def build_pooler_config(model_path: str, architecture: str, override: dict | str | None) -> PoolerConfig:
     """A sentence-transformers model says its pooling in modules.json (Pooling, Normalize); an
     encoder defaults to CLS, a decoder to its last token; `override` (a dict or its JSON) wins."""
-    config = PoolerConfig("CLS" if architecture in POOLING_ARCHITECTURES else "LAST", True)
+    config = PoolerConfig("CLS" if architecture in POOLING_ARCHITECTURES else "LAST", not is_classifier(architecture))
     modules_path = os.path.join(model_path, "modules.json")
     if os.path.isfile(modules_path):
         with open(modules_path) as f:

@@ -88,3 +88,24 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]  # both texts' tokens
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # one per label: softmax, or a sigmoid with a single label
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data), out.prompt_token_ids, out.finished)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "encode")
+POOLING_TASKS = ("embed", "encode", "classify")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from pagedllm.config import (
     check_quantization,
     check_tensor_parallel,
     draft_model_config,
+    is_classifier,
     parse_speculative_config,
     resolve_device,
 )
@@ -89,11 +90,11 @@ class EngineArgs:
             model, model_path, self.tokenizer, self.dtype, device, self.max_model_len or _st_max_len(model_path),
             self.seed, self.trust_remote_code, self.quantization,
         )
-        is_encoder = model_config.architecture in POOLING_ARCHITECTURES
+        is_encoder = model_config.architecture in POOLING_ARCHITECTURES or is_classifier(model_config.architecture)
         model_config.runner = ("pooling" if is_encoder else "generate") if self.runner == "auto" else self.runner
         pooling = model_config.runner == "pooling"
         if is_encoder and not pooling:
-            raise ValueError(f"{model_config.architecture} is an encoder: it embeds, it cannot generate text; "
+            raise ValueError(f"{model_config.architecture} embeds or classifies, it cannot generate text; "
                              "start it with --runner pooling")
         if pooling:
             model_config.pooler_config = build_pooler_config(model_path, model_config.architecture,

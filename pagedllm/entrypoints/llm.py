@@ -12,6 +12,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -109,6 +110,16 @@ class LLM:
         """One embedding per prompt (`.outputs.embedding`); `pooling_params` may set
         `normalize`, `dimensions` (matryoshka models) and `truncate_prompt_tokens`."""
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, pooling_params, use_tqdm)]
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each prompt (`.outputs.probs`) on a sequence-classification model."""
+        arch = self.llm_engine.config.model_config.architecture
+        if not arch.endswith("ForSequenceClassification"):
+            raise ValueError(f"classify needs a sequence-classification model; {arch} is not one")
+        params = PoolingParams(normalize=False, task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
 
     def score(
         self,

@@ -167,6 +167,10 @@ class ModelRunner:
         if not done:
             return
         pooled = pool(hidden, step.cu_start[done], step.cu_end[done], self.pooler_config.pooling_type)
+        classify = getattr(self.model, "classify", None)
+        if classify is not None:  # a classifier: class probabilities (one label: a sigmoid score)
+            logits = classify(pooled)
+            pooled = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
         params = [reqs[i].pooling_params for i in done]
         default = self.pooler_config.normalize
         vectors = finish_vectors(pooled, [default if p.normalize is None else p.normalize for p in params],

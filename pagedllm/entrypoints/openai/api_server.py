@@ -21,6 +21,8 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
 from pagedllm.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     PoolingRequest,
@@ -137,6 +139,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def create_pooling(request: PoolingRequest) -> Response:
         async def work() -> Response:
             return JSONResponse((await embedding.pooling(request)).model_dump())
+        return await _serve(work())
+
+    @app.post("/classify", responses=responses(ClassificationResponse, 400, 401, 404, 413, 503))
+    async def create_classify(request: ClassificationRequest) -> Response:
+        async def work() -> Response:
+            return JSONResponse((await embedding.classify(request)).model_dump())
         return await _serve(work())
 
     async def score(request: ScoreRequest) -> Response:

@@ -115,3 +115,26 @@ class PoolingResponse(OpenAIBaseModel):
     model: str
     data: list[PoolingData]
     usage: EmbeddingUsage
+
+
+class ClassificationRequest(TopLevelRequest):
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage

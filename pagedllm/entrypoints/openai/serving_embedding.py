@@ -11,6 +11,9 @@ import uuid
 import numpy as np
 
 from pagedllm.entrypoints.openai.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -59,6 +62,26 @@ class OpenAIServingEmbedding(OpenAIServing):
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         return PoolingResponse(id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=data,
                                usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    async def classify(self, request: ClassificationRequest) -> ClassificationResponse:
+        """Class probabilities per input, labelled by the model's id2label."""
+        self.check_pooling_runner()
+        if not getattr(self.model_config, "architecture", "").endswith("ForSequenceClassification"):
+            raise OpenAIError("classify needs a sequence-classification model; this server's model is not one",
+                              param="model")
+        model = self.model_name(request.model)
+        prompts = await run_blocking(self._prompts, request.input, request.truncate_prompt_tokens)
+        params = PoolingParams(normalize=False, truncate_prompt_tokens=request.truncate_prompt_tokens, task="classify")
+        outs = await self.embed(prompts, params, "classify")
+        labels = getattr(self.model_config.hf_config, "id2label", None) or {}
+        data = []
+        for i, o in enumerate(outs):
+            probs = o.outputs.data
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(ClassificationData(index=i, label=labels.get(best), probs=probs, num_classes=len(probs)))
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", created=int(time.time()), model=model,
+                                      data=data, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     async def embed(self, prompts: list[list[int]], params: PoolingParams, prefix: str) -> list[PoolingRequestOutput]:
         """Every prompt's pooled output, all submitted at once (the scheduler batches them)."""

@@ -152,3 +152,33 @@ class BertModel(nn.Module):
                     yield name, tensor
 
         return load_weights(self, renamed())
+
+
+class BertForSequenceClassification(nn.Module):
+    """BERT with its pooler (dense + tanh on the first token) and a linear classifier: the
+    runner's CLS pooling feeds `classify`, which returns the logits."""
+
+    packed_modules_mapping = BERT_PACKED
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None) -> torch.Tensor:
+        return self.bert(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler(pooled.to(self.pooler.weight.dtype)))).float()
+
+    def load_weights(self, weights) -> set[str]:
+        def renamed():
+            for name, tensor in weights:
+                if "position_ids" in name:
+                    continue
+                name = name.removeprefix("bert.").replace("pooler.dense.", "pooler.")
+                yield (name if name.startswith(("pooler.", "classifier.")) else f"bert.{name}"), tensor
+
+        return load_weights(self, renamed())

@@ -153,3 +153,28 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class LlamaForSequenceClassification(nn.Module):
+    """The decoder with a linear `score` head instead of the LM head: the runner's LAST pooling
+    (the prompt's last token) feeds `classify`, which returns the logits."""
+
+    packed_modules_mapping = PACKED_MODULES
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.score(pooled.to(self.score.weight.dtype)).float()
+
+    def load_weights(self, weights) -> set[str]:
+        return load_weights(self, weights)

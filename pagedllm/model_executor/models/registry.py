@@ -14,6 +14,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
 }
 
 

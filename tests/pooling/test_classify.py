@@ -1,0 +1,72 @@
+"""Sequence classifiers: tiny random BertForSequenceClassification and Qwen3ForSequenceClassification
+against transformers (softmax of the logits), offline (`LLM.classify`) and served (`/classify`,
+labels from id2label)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from pagedllm import LLM
+from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.utils import build_tokenizer, tiny_config
+
+PROMPTS = [[5, 17, 33, 2, 90], [44, 3], list(range(10, 70)), [7]]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _bert_classifier(path: str) -> str:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    tok = build_tokenizer(path)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=512, num_labels=3, id2label=LABELS,
+                     label2id={v: k for k, v in LABELS.items()})
+    torch.manual_seed(0)
+    BertForSequenceClassification(cfg).eval().save_pretrained(path)
+    return path
+
+
+def _qwen3_classifier(path: str) -> str:
+    from transformers import Qwen3ForSequenceClassification
+
+    tok = build_tokenizer(path)
+    cfg = tiny_config("qwen3", len(tok), num_labels=2)
+    cfg.architectures = ["Qwen3ForSequenceClassification"]
+    torch.manual_seed(0)
+    Qwen3ForSequenceClassification(cfg).eval().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("build", [_bert_classifier, _qwen3_classifier])
+def test_classify_equals_transformers(tmp_path, build):
+    from transformers import AutoModelForSequenceClassification
+
+    path = build(str(tmp_path))
+    llm = LLM(path, dtype="float32")  # runner auto: a classifier pools
+    assert llm.llm_engine.config.model_config.runner == "pooling"
+    ref_model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    for ids, out in zip(PROMPTS, llm.classify(PROMPTS, use_tqdm=False)):
+        with torch.inference_mode():
+            ref = ref_model(torch.tensor([ids])).logits[0].softmax(-1)
+        assert torch.allclose(torch.tensor(out.outputs.probs), ref, atol=1e-5)
+        assert out.outputs.num_classes == ref_model.config.num_labels
+
+
+def test_classify_route(tmp_path, tmp_path_factory):
+    path = _bert_classifier(str(tmp_path))
+    expected = [o.outputs.probs for o in LLM(path, dtype="float32").classify(PROMPTS[:2], use_tqdm=False)]
+    serving = _serve(path, tmp_path_factory)
+    url = next(serving)
+    try:
+        r = httpx.post(f"{url}/classify", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": MODEL, "input": PROMPTS[:2]})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert [d["num_classes"] for d in data] == [3, 3]
+        for d, probs in zip(data, expected):
+            assert torch.allclose(torch.tensor(d["probs"]), torch.tensor(probs), atol=1e-6)
+            assert d["label"] == LABELS[max(range(3), key=probs.__getitem__)]
+    finally:
+        next(serving, None)
