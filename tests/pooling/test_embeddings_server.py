@@ -85,7 +85,8 @@ def test_score_and_rerank_routes(server):
         body = r.json()
         assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
         scores[path] = [d["score"] for d in body["data"]]
-    assert scores["/score"] == scores["/v1/score"] and max(range(3), key=scores["/score"].__getitem__) == 1
+    assert np.allclose(scores["/score"], scores["/v1/score"], atol=1e-6)  # batches differ: float rounding
+    assert max(range(3), key=scores["/score"].__getitem__) == 1
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = httpx.post(f"{server}{path}", headers=headers,
                        json={"model": MODEL, "query": query, "documents": docs, "top_n": 2})
