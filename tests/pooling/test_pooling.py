@@ -122,3 +122,17 @@ def test_score_is_the_cosine_of_the_embeddings(minilm):
     assert all(abs(o.outputs.score - 1) < 1e-5 for o in pairwise)
     with pytest.raises(ValueError, match="give one text_1, or as many as text_2"):
         minilm.score(docs[:2], docs, use_tqdm=False)
+
+
+def test_pooling_across_processes_and_engine_cores(minilm):
+    """PoolingParams and the vectors cross to worker processes (msgspec), over two engine cores."""
+    expected = [o.outputs.embedding for o in minilm.embed(SENTENCES[:10], use_tqdm=False)]
+    llm = LLM(runner="pooling", dtype="float32", data_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        got = [o.outputs.embedding for o in llm.embed(SENTENCES[:10], use_tqdm=False)]
+        assert all(_cos(a, b) >= 0.99999 for a, b in zip(got, expected))
+        assert all(s["prefix_cache_queries"] == 0 for s in llm.llm_engine.get_engine_stats())  # caching is off
+        assert llm.llm_engine.balancer.num_unfinished == [0, 0]
+    finally:
+        for core in llm.llm_engine.engine_cores:
+            core.shutdown()
