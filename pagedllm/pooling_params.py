@@ -45,3 +45,15 @@ def cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b))
     norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
     return dot / norm if norm else 0.0
+
+
+def cross_encoder_prompt(tokenizer, text_1: str, text_2: str) -> dict:
+    """A text pair as a cross-encoder reads it: the tokenizer's pair encoding ([CLS] a [SEP] b
+    [SEP] for BERT) with its token type ids."""
+    if not isinstance(text_1, str) or not isinstance(text_2, str):
+        raise ValueError("a cross-encoder scores pairs of texts, not token ids")
+    enc = tokenizer(text_1, text_2)
+    prompt = {"prompt_token_ids": list(enc["input_ids"])}
+    if enc.get("token_type_ids") is not None:
+        prompt["token_type_ids"] = list(enc["token_type_ids"])
+    return prompt

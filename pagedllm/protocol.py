@@ -49,6 +49,8 @@ class EngineCoreRequest:
     group_id: str | None = None
     # A pooling request: its prompt is pooled into one vector, and it generates nothing.
     pooling_params: PoolingParams | None = None
+    # A text pair for a cross-encoder: which tokens belong to the second text (BERT's segments).
+    token_type_ids: list[int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

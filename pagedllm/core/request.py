@@ -71,6 +71,7 @@ class Request:
     num_synced_tokens: int = 0
     num_synced_blocks: int = 0
     pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -87,6 +88,7 @@ class Request:
             cache_salt=req.cache_salt,
             group_id=req.group_id,
             pooling_params=req.pooling_params,
+            token_type_ids=req.token_type_ids,
         )
 
     @property

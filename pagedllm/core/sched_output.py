@@ -23,6 +23,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # A request resumed after a preemption brings its outputs so far (penalties, stop checks).
     output_token_ids: list[int] = []
     pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -372,7 +372,7 @@ class Scheduler:
             if request.num_synced_tokens == 0:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,
-                    request.output_token_ids[:], request.pooling_params))
+                    request.output_token_ids[:], request.pooling_params, request.token_type_ids))
             else:
                 cached.req_ids.append(req_id)
                 cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])

@@ -86,8 +86,14 @@ class Processor:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the input is empty (no tokens)")
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_type_ids is not None and (len(token_type_ids) != len(token_ids)
+                                           or any(t not in (0, 1) for t in token_type_ids)):
+            raise ValueError("token_type_ids must be 0 or 1 for each prompt token")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
+            if token_type_ids is not None:
+                token_type_ids = token_type_ids[-params.truncate_prompt_tokens :]
         self._check_token_ids("input token ids", token_ids)
         max_len = self.model_config.max_model_len
         if len(token_ids) > max_len:
@@ -106,6 +112,7 @@ class Processor:
             sampling_params=SamplingParams(temperature=0, max_tokens=1, detokenize=False),
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.time(), pooling_params=params,
+            token_type_ids=list(token_type_ids) if token_type_ids is not None else None,
         )
         return request, text
 

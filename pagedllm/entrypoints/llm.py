@@ -19,7 +19,7 @@ from pagedllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedllm.pooling_params import PoolingParams, cosine, pair_up
+from pagedllm.pooling_params import PoolingParams, cosine, cross_encoder_prompt, pair_up
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -130,6 +130,8 @@ class LLM:
         """Cosine similarity of each pair's embeddings: one text_1 against every text_2, or the
         two lists pair by pair."""
         firsts, seconds = pair_up(_as_prompt_list(text_1), _as_prompt_list(text_2))
+        if self.llm_engine.config.model_config.architecture.endswith("ForSequenceClassification"):
+            return self._cross_encode(firsts, seconds, use_tqdm)
         unique = list(dict.fromkeys(map(_key, firsts + seconds)))
         by_key = dict(zip(unique, self.embed([_unkey(k) for k in unique], use_tqdm=use_tqdm)))
         outs = []
@@ -138,6 +140,16 @@ class LLM:
             outs.append(ScoringRequestOutput(str(i), ScoringOutput(cosine(ea.outputs.embedding, eb.outputs.embedding)),
                                              ea.prompt_token_ids + eb.prompt_token_ids))
         return outs
+
+    def _cross_encode(self, firsts: list, seconds: list, use_tqdm: bool) -> list[ScoringRequestOutput]:
+        """A cross-encoder (a classifier with one label) reads each pair at once: its sigmoid is the score."""
+        if self.llm_engine.config.model_config.hf_config.num_labels != 1:
+            raise ValueError("score on a classifier needs a cross-encoder: a model with a single label")
+        tokenizer = self.get_tokenizer()
+        prompts = [cross_encoder_prompt(tokenizer, a, b) for a, b in zip(firsts, seconds)]
+        outs = self.encode(prompts, PoolingParams(normalize=False, task="classify"), use_tqdm)
+        return [ScoringRequestOutput(str(i), ScoringOutput(o.outputs.data[0]), o.prompt_token_ids)
+                for i, o in enumerate(outs)]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine

@@ -23,6 +23,7 @@ class CachedRequestState:
     num_computed_tokens: int  # tokens with K/V in the cache before this step
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
     # A step's part, in the row `InputBatch.update_states` makes for it:
     token_ids: list[int] = field(default_factory=list)  # the tokens to compute (drafts last)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
@@ -82,4 +83,5 @@ class InputBatch:
 
 def _from_new(new: NewRequestData) -> CachedRequestState:
     return CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
-                              new.num_computed_tokens, list(new.output_token_ids), new.pooling_params)
+                              new.num_computed_tokens, list(new.output_token_ids), new.pooling_params,
+                              new.token_type_ids)

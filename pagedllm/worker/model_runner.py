@@ -7,6 +7,7 @@ token, or with speculative decoding the accepted drafts plus one, and the next d
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import deque
 from dataclasses import replace
@@ -44,6 +45,7 @@ class ModelRunner:
         self.model = get_model(config.model_config, self.device)
         self.pp = get_pp_group()
         self.pooler_config = config.model_config.pooler_config  # None: the generate runner
+        self.takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
         self.hidden_size = config.model_config.text_config.hidden_size
         self._sending: tuple | None = None  # (work, tensor): the last send to the next stage
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -152,6 +154,11 @@ class ModelRunner:
             self.copy_blocks(sched.block_copies)
         step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
                               [r.block_ids for r in reqs], self.block_size, self.device)
+        if self.takes_token_types and any(r.token_type_ids is not None for r in reqs):  # a cross-encoder's pairs
+            step.token_type_ids = torch.tensor(
+                [t for r in reqs for t in (r.token_type_ids or [0] * r.num_tokens)[r.start_pos : r.start_pos
+                                                                                   + len(r.token_ids)]],
+                device=self.device)
         hidden = self._run_model(step)
         if hidden is not None and self.pooler_config is not None:
             self._pool(reqs, hidden, step, out)
@@ -186,8 +193,9 @@ class ModelRunner:
         if not self.pp.is_first_rank:
             shape = (len(step.input_ids), self.hidden_size)
             intermediate = IntermediateTensors(self.pp.recv_prev(shape, self.config.model_config.dtype, self.device))
+        extra = {"token_type_ids": step.token_type_ids} if step.token_type_ids is not None else {}
         with set_forward_context(step.attn_metadata):
-            hidden = self.model(step.input_ids, step.positions, intermediate)
+            hidden = self.model(step.input_ids, step.positions, intermediate, **extra)
         if self.pp.is_last_rank:
             return hidden
         self._wait_sent()

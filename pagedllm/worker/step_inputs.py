@@ -24,6 +24,7 @@ class StepInputs:
     starts: np.ndarray  # [R] tokens already in the cache before this pass
     cu_start: np.ndarray  # [R] offset of each request's first token in the flat batch
     cu_end: np.ndarray  # [R] offset past its last token
+    token_type_ids: torch.Tensor | None = None  # [T], BERT's segment of each token (text pairs)
 
 
 def prepare_inputs(

@@ -70,3 +70,47 @@ def test_classify_route(tmp_path, tmp_path_factory):
             assert d["label"] == LABELS[max(range(3), key=probs.__getitem__)]
     finally:
         next(serving, None)
+
+
+WORDS = "where do cats sleep on the sofa stock prices fell today dogs bark at night a an is".split()
+
+
+def _cross_encoder(path: str) -> str:
+    """A tiny BERT cross-encoder (one label) with a WordPiece tokenizer that encodes text pairs
+    as [CLS] a [SEP] b [SEP] with token type ids."""
+    import os
+
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    vocab = os.path.join(path, "vocab.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "?", ".", *WORDS]) + "\n")
+    tok = BertTokenizerFast(vocab_file=vocab)
+    tok.save_pretrained(path)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=512, num_labels=1)
+    torch.manual_seed(1)
+    BertForSequenceClassification(cfg).eval().save_pretrained(path)
+    return path
+
+
+def test_cross_encoder_scores_pairs_with_token_types(tmp_path, tmp_path_factory):
+    from sentence_transformers import CrossEncoder
+
+    path = _cross_encoder(str(tmp_path))
+    query, docs = "where do cats sleep?", ["cats sleep on the sofa.", "stock prices fell today.", "dogs bark at night."]
+    ref = CrossEncoder(path, device="cpu").predict([(query, d) for d in docs])  # sigmoid of the one logit
+    outs = LLM(path, dtype="float32").score(query, docs, use_tqdm=False)
+    assert torch.allclose(torch.tensor([o.outputs.score for o in outs]), torch.tensor(ref), atol=1e-5)
+    serving = _serve(path, tmp_path_factory)
+    url = next(serving)
+    try:
+        r = httpx.post(f"{url}/v1/rerank", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": MODEL, "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -float(ref[i]))
+        assert abs(results[0]["relevance_score"] - float(max(ref))) < 1e-5
+    finally:
+        next(serving, None)

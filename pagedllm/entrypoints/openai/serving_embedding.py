@@ -83,7 +83,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                                       data=data, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
-    async def embed(self, prompts: list[list[int]], params: PoolingParams, prefix: str) -> list[PoolingRequestOutput]:
+    async def embed(self, prompts: list[list[int]] | list[dict], params: PoolingParams,
+                    prefix: str) -> list[PoolingRequestOutput]:
         """Every prompt's pooled output, all submitted at once (the scheduler batches them)."""
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         return list(await asyncio.gather(*[self._encode(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]))
@@ -109,7 +110,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             prompts.append(ids)
         return prompts
 
-    async def _encode(self, prompt: list[int], params: PoolingParams, request_id: str) -> PoolingRequestOutput:
+    async def _encode(self, prompt: list[int] | dict, params: PoolingParams, request_id: str) -> PoolingRequestOutput:
         try:
             async for out in self.engine.encode(prompt, params, request_id):
                 if out.finished:

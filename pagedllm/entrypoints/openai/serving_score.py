@@ -19,19 +19,41 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
 )
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
-from pagedllm.pooling_params import PoolingParams, cosine, pair_up
+from pagedllm.pooling_params import PoolingParams, cosine, cross_encoder_prompt, pair_up
 
 
 class OpenAIServingScore(OpenAIServingEmbedding):
     async def _similarities(self, firsts: list[str], seconds: list[str], truncate: int | None,
                             param: str) -> tuple[list[float], int]:
-        """Cosine of each (first, second) pair, and the tokens embedded."""
+        """Cosine of each (first, second) pair, and the tokens embedded; a cross-encoder's score of
+        each pair read at once."""
+        if getattr(self.model_config, "architecture", "").endswith("ForSequenceClassification"):
+            return await self._cross_encode(firsts, seconds, truncate, param)
         texts = list(dict.fromkeys(firsts + seconds))
         prompts = await run_blocking(self._prompts, texts, truncate, param)
         outs = await self.embed(prompts, PoolingParams(normalize=True, truncate_prompt_tokens=truncate), "score")
         vectors = {t: o.outputs.data for t, o in zip(texts, outs)}
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         return [cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds)], tokens
+
+    async def _cross_encode(self, firsts: list[str], seconds: list[str], truncate: int | None,
+                            param: str) -> tuple[list[float], int]:
+        if self.model_config.hf_config.num_labels != 1:
+            raise OpenAIError("score needs an embedding model or a cross-encoder (a classifier with one label)",
+                              param="model")
+
+        def tokenize() -> list[dict]:
+            prompts = [cross_encoder_prompt(self.tokenizer, a, b) for a, b in zip(firsts, seconds)]
+            for p in prompts:
+                if len(p["prompt_token_ids"]) > self.max_model_len and truncate is None:
+                    raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens; a pair "
+                                      f"is {len(p['prompt_token_ids'])}. Set truncate_prompt_tokens.", param=param)
+            return prompts
+
+        prompts = await run_blocking(tokenize)
+        outs = await self.embed(prompts, PoolingParams(normalize=False, truncate_prompt_tokens=truncate,
+                                                       task="classify"), "score")
+        return [o.outputs.data[0] for o in outs], sum(len(o.prompt_token_ids) for o in outs)
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
         self.check_pooling_runner()

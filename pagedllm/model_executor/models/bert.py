@@ -32,9 +32,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment (token type 0) per prompt.
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Token type 0 unless the prompt is a text pair (a cross-encoder's query and document).
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None else \
+            self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + types
         return self.LayerNorm(x)
 
 
@@ -135,9 +138,10 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch = PaddedBatch(len(input_ids), input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x
@@ -167,8 +171,9 @@ class BertForSequenceClassification(nn.Module):
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None) -> torch.Tensor:
-        return self.bert(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bert(input_ids, positions, token_type_ids=token_type_ids)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler(pooled.to(self.pooler.weight.dtype)))).float()
