@@ -44,6 +44,7 @@ class ModelConfig:
     quantization: str | None = None  # weight-only "int8" / "int4" (CPU), applied after loading; None: off
     runner: str = "generate"  # or "pooling": each request's prompt is pooled into one vector
     pooler_config: PoolerConfig | None = None  # the pooling runner's
+    classify: bool = False  # a pooling classifier returns its head's probabilities, not the pooled state
 
     @property
     def architecture(self) -> str:
@@ -83,7 +84,7 @@ class PoolerConfig:
 def build_pooler_config(model_path: str, architecture: str, override: dict | str | None) -> PoolerConfig:
     """A sentence-transformers model says its pooling in modules.json (Pooling, Normalize); an
     encoder defaults to CLS, a decoder to its last token; `override` (a dict or its JSON) wins."""
-    config = PoolerConfig("CLS" if architecture in POOLING_ARCHITECTURES else "LAST", not is_classifier(architecture))
+    config = PoolerConfig("CLS" if architecture in POOLING_ARCHITECTURES else "LAST", True)
     modules_path = os.path.join(model_path, "modules.json")
     if os.path.isfile(modules_path):
         with open(modules_path) as f:

@@ -64,6 +64,10 @@ class EngineArgs:
     reasoning_parser: str | None = None
     # "auto": "pooling" for encoder-only architectures (BERT), else "generate"
     runner: str = "auto"
+    # What a pooling model returns: "embed" (the pooled vector; a classifier's head is skipped),
+    # "classify" (a sequence classifier's probabilities), "auto" (by the architecture). Implies
+    # the pooling runner.
+    convert: str = "auto"
     # The pooling runner's {"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": bool}, or its JSON
     pooler_config: dict | str | None = None
     tensor_parallel_size: int = 1
@@ -90,8 +94,16 @@ class EngineArgs:
             model, model_path, self.tokenizer, self.dtype, device, self.max_model_len or _st_max_len(model_path),
             self.seed, self.trust_remote_code, self.quantization,
         )
-        is_encoder = model_config.architecture in POOLING_ARCHITECTURES or is_classifier(model_config.architecture)
-        model_config.runner = ("pooling" if is_encoder else "generate") if self.runner == "auto" else self.runner
+        if self.convert not in ("auto", "embed", "classify"):
+            raise ValueError(f"convert must be auto, embed or classify, got {self.convert!r}")
+        classifier = is_classifier(model_config.architecture)
+        if self.convert == "classify" and not classifier:
+            raise ValueError("--convert classify needs a sequence-classification checkpoint "
+                             f"(*ForSequenceClassification, with its head); {model_config.architecture} has none")
+        runner = "pooling" if self.convert != "auto" and self.runner == "auto" else self.runner
+        is_encoder = model_config.architecture in POOLING_ARCHITECTURES or classifier
+        model_config.runner = ("pooling" if is_encoder else "generate") if runner == "auto" else runner
+        model_config.classify = classifier and self.convert != "embed"
         pooling = model_config.runner == "pooling"
         if is_encoder and not pooling:
             raise ValueError(f"{model_config.architecture} embeds or classifies, it cannot generate text; "

@@ -115,9 +115,10 @@ class LLM:
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities of each prompt (`.outputs.probs`) on a sequence-classification model."""
-        arch = self.llm_engine.config.model_config.architecture
-        if not arch.endswith("ForSequenceClassification"):
-            raise ValueError(f"classify needs a sequence-classification model; {arch} is not one")
+        model_config = self.llm_engine.config.model_config
+        if not model_config.classify:
+            raise ValueError(f"classify needs a sequence-classification model (not --convert embed); "
+                             f"{model_config.architecture} is not one")
         params = PoolingParams(normalize=False, task="classify")
         return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
 
@@ -130,7 +131,7 @@ class LLM:
         """Cosine similarity of each pair's embeddings: one text_1 against every text_2, or the
         two lists pair by pair."""
         firsts, seconds = pair_up(_as_prompt_list(text_1), _as_prompt_list(text_2))
-        if self.llm_engine.config.model_config.architecture.endswith("ForSequenceClassification"):
+        if self.llm_engine.config.model_config.classify:
             return self._cross_encode(firsts, seconds, use_tqdm)
         unique = list(dict.fromkeys(map(_key, firsts + seconds)))
         by_key = dict(zip(unique, self.embed([_unkey(k) for k in unique], use_tqdm=use_tqdm)))

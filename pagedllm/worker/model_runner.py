@@ -174,15 +174,18 @@ class ModelRunner:
         if not done:
             return
         pooled = pool(hidden, step.cu_start[done], step.cu_end[done], self.pooler_config.pooling_type)
-        classify = getattr(self.model, "classify", None)
+        classify = getattr(self.model, "classify", None) if self.config.model_config.classify else None
+        out.pooler_output = [None] * len(reqs)
         if classify is not None:  # a classifier: class probabilities (one label: a sigmoid score)
             logits = classify(pooled)
-            pooled = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+            probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+            for i, row in zip(done, probs.tolist()):
+                out.pooler_output[i] = row
+            return
         params = [reqs[i].pooling_params for i in done]
         default = self.pooler_config.normalize
         vectors = finish_vectors(pooled, [default if p.normalize is None else p.normalize for p in params],
                                  [p.dimensions for p in params])
-        out.pooler_output = [None] * len(reqs)
         for i, vector in zip(done, vectors):
             out.pooler_output[i] = vector
 

@@ -114,3 +114,21 @@ def test_cross_encoder_scores_pairs_with_token_types(tmp_path, tmp_path_factory)
         assert abs(results[0]["relevance_score"] - float(max(ref))) < 1e-5
     finally:
         next(serving, None)
+
+
+def test_convert_picks_what_a_pooling_model_returns(tmp_path, tiny_llama):
+    from transformers import BertModel
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    path = _bert_classifier(str(tmp_path))
+    embedder = LLM(path, dtype="float32", convert="embed")  # the classifier's encoder, head skipped
+    with pytest.raises(ValueError, match="classify needs a sequence-classification model"):
+        embedder.classify(PROMPTS[:1], use_tqdm=False)
+    (out,) = embedder.embed(PROMPTS[:1], use_tqdm=False)
+    with torch.inference_mode():
+        cls = BertModel.from_pretrained(path).eval()(torch.tensor(PROMPTS[:1])).last_hidden_state[0, 0]
+    assert torch.allclose(torch.tensor(out.outputs.embedding), cls / cls.norm(), atol=1e-5)
+    assert EngineArgs(model=tiny_llama, convert="embed").create_engine_config().model_config.runner == "pooling"
+    with pytest.raises(ValueError, match="--convert classify needs a sequence-classification checkpoint"):
+        EngineArgs(model=tiny_llama, convert="classify").create_engine_config()

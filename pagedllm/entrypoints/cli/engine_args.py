@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
                         help="pooling: embed (one vector per input) instead of generating; auto picks it for "
                              "encoder models (BERT); with no model, the default is all-MiniLM-L6-v2")
+    parser.add_argument("--convert", default=d.convert, choices=["auto", "embed", "classify"],
+                        help="what a pooling model returns: embed (the pooled vector, a classifier's head "
+                             "skipped) or classify (a sequence classifier's probabilities); implies --runner pooling")
     parser.add_argument("--pooler-config", default=None,
                         help='the pooling runner\'s JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'')
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -66,7 +66,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def classify(self, request: ClassificationRequest) -> ClassificationResponse:
         """Class probabilities per input, labelled by the model's id2label."""
         self.check_pooling_runner()
-        if not getattr(self.model_config, "architecture", "").endswith("ForSequenceClassification"):
+        if not getattr(self.model_config, "classify", False):
             raise OpenAIError("classify needs a sequence-classification model; this server's model is not one",
                               param="model")
         model = self.model_name(request.model)

@@ -27,7 +27,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
                             param: str) -> tuple[list[float], int]:
         """Cosine of each (first, second) pair, and the tokens embedded; a cross-encoder's score of
         each pair read at once."""
-        if getattr(self.model_config, "architecture", "").endswith("ForSequenceClassification"):
+        if getattr(self.model_config, "classify", False):
             return await self._cross_encode(firsts, seconds, truncate, param)
         texts = list(dict.fromkeys(firsts + seconds))
         prompts = await run_blocking(self._prompts, texts, truncate, param)
