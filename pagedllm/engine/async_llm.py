@@ -167,7 +167,7 @@ class AsyncLLM:
                 self._abort_now(request_id)
 
     async def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """The pooled vector of one prompt: one PoolingRequestOutput, finished. Closing the
         generator early aborts the request."""
@@ -175,7 +175,7 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError()
         queue: asyncio.Queue = asyncio.Queue()
-        request = self.frontend.add_pooling_request(request_id, prompt, pooling_params, time.time())
+        request = self.frontend.add_pooling_request(request_id, prompt, pooling_params, time.time(), priority)
         self._queues[request_id] = queue
         finished = False
         try:

@@ -69,8 +69,10 @@ class Frontend:
         return [child for _, child in children]
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                            arrival_time: float | None = None) -> EngineCoreRequest:
+                            arrival_time: float | None = None, priority: int = 0) -> EngineCoreRequest:
         """Validate and register a request to pool (embed, encode); raises ValueError on bad input."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError("priority is only supported with scheduling_policy='priority'")
         if not self.pooling:
             raise ValueError("this model runs --runner generate; pooling (embeddings) needs a server or LLM started "
                              "with --runner pooling (LLM(model, runner='pooling'))")
@@ -78,6 +80,7 @@ class Frontend:
         if request_id in op.request_states or request_id in op.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         request, text = self.processor.process_pooling_inputs(request_id, prompt, params, arrival_time)
+        request.priority = priority
         op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
         return request
 

@@ -56,8 +56,8 @@ class LLMEngine:
             core.add_request(request)
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                            arrival_time: float | None = None) -> None:
-        request = self.frontend.add_pooling_request(request_id, prompt, params, arrival_time)
+                            arrival_time: float | None = None, priority: int = 0) -> None:
+        request = self.frontend.add_pooling_request(request_id, prompt, params, arrival_time, priority)
         self.engine_cores[self.balancer.assign([request_id])].add_request(request)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:

@@ -40,7 +40,7 @@ class EngineClient(Protocol):
         ...
 
     def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """A pooling engine's vector for the prompt (one finished output); a generation engine
         raises ValueError saying how to start a pooling one."""

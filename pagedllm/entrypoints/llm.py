@@ -83,6 +83,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[PoolingRequestOutput]:
         """The pooled hidden state of each prompt (the model's pooler: MEAN, CLS or LAST), with
         the model's normalization unless `pooling_params` say otherwise. Needs runner="pooling"."""
@@ -92,9 +93,9 @@ class LLM:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 req_id = str(next(self._counter))
-                engine.add_pooling_request(req_id, prompt, p)
+                engine.add_pooling_request(req_id, prompt, p, priority=priority[i] if priority else 0)
                 ids.append(req_id)
         except Exception:
             engine.abort_request(ids)

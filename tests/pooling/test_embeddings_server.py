@@ -60,6 +60,17 @@ def test_langchain_openai_embeddings(server, offline):
     assert _close(emb.embed_query(TEXTS[1]), offline[1])
 
 
+def test_pooled_requests_count_in_metrics(server, client):
+    def prompt_tokens() -> float:
+        text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("pagedllm:prompt_tokens_total"))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = prompt_tokens()
+    used = client.embeddings.create(model=MODEL, input=TEXTS).usage.prompt_tokens
+    assert prompt_tokens() == before + used
+
+
 def test_what_a_pooling_server_refuses(server, client):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     r = httpx.post(f"{server}/v1/embeddings", headers=headers, json={"model": MODEL, "input": "word " * 400})

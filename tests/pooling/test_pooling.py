@@ -136,3 +136,19 @@ def test_pooling_across_processes_and_engine_cores(minilm):
     finally:
         for core in llm.llm_engine.engine_cores:
             core.shutdown()
+
+
+def test_pooling_requests_queue_by_priority_and_abort(tmp_path):
+    """Pooling requests go through the scheduler like any: by priority, and an abort frees them."""
+    path = make_tiny_model(str(tmp_path), "qwen3")
+    llm = LLM(path, runner="pooling", dtype="float32", max_num_seqs=1, scheduling_policy="priority")
+    engine = llm.llm_engine
+    for req_id, priority in (("late", 5), ("urgent", -1), ("gone", 0)):
+        engine.add_pooling_request(req_id, [5, 6, 7], PoolingParams(), priority=priority)
+    engine.abort_request("gone")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["urgent", "late"]
+    kv = engine.engine_core.scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.block_pool.num_blocks

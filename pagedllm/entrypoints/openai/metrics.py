@@ -77,6 +77,11 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 
+    def count_pooled(self, num_prompt_tokens: int) -> None:
+        """A pooling request (embedding, score, classification) that finished: its prompt tokens."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.count_finished("stop")
+
     def count_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 

@@ -114,6 +114,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         try:
             async for out in self.engine.encode(prompt, params, request_id):
                 if out.finished:
+                    if self.metrics is not None:
+                        self.metrics.count_pooled(len(out.prompt_token_ids))
                     return out
         except ValueError as e:
             raise OpenAIError(str(e), param="dimensions" if "dimensions" in str(e) else "input") from None

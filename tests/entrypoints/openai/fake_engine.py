@@ -32,7 +32,7 @@ class FakeEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    async def encode(self, prompt, pooling_params, request_id):
+    async def encode(self, prompt, pooling_params, request_id, priority=0):
         raise ValueError("this model runs --runner generate")
         yield  # an async generator, as AsyncLLM.encode
 
