@@ -85,8 +85,8 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[PoolingRequestOutput]:
-        """The pooled hidden state of each prompt (the model's pooler: MEAN, CLS or LAST), with
-        the model's normalization unless `pooling_params` say otherwise. Needs runner="pooling"."""
+        """The raw pooled hidden state of each prompt (the model's pooler: MEAN, CLS or LAST; not
+        normalized unless `pooling_params` ask). Needs runner="pooling"."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params if pooling_params is not None else PoolingParams(task="encode"), prompts,
                              "pooling params")
@@ -110,7 +110,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`.outputs.embedding`); `pooling_params` may set
         `normalize`, `dimensions` (matryoshka models) and `truncate_prompt_tokens`."""
-        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, pooling_params, use_tqdm)]
+        params = pooling_params if pooling_params is not None else PoolingParams(task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
 
     def classify(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,

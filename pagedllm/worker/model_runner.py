@@ -184,7 +184,9 @@ class ModelRunner:
             return
         params = [reqs[i].pooling_params for i in done]
         default = self.pooler_config.normalize
-        vectors = finish_vectors(pooled, [default if p.normalize is None else p.normalize for p in params],
+        # An embedding takes the model's normalization by default; `encode` the raw pooled state.
+        vectors = finish_vectors(pooled, [(default and p.task == "embed") if p.normalize is None else p.normalize
+                                          for p in params],
                                  [p.dimensions for p in params])
         for i, vector in zip(done, vectors):
             out.pooler_output[i] = vector

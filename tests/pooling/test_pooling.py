@@ -152,3 +152,10 @@ def test_pooling_requests_queue_by_priority_and_abort(tmp_path):
     assert finished == ["urgent", "late"]
     kv = engine.engine_core.scheduler.kv_cache_manager
     assert kv.get_num_free_blocks() == kv.block_pool.num_blocks
+
+
+def test_encode_gives_the_raw_pooled_state(minilm):
+    (raw,) = minilm.encode("Hello world", use_tqdm=False)
+    (emb,) = minilm.embed("Hello world", use_tqdm=False)
+    norm = np.linalg.norm(raw.outputs.data)
+    assert abs(norm - 1) > 1e-3 and np.allclose(np.asarray(raw.outputs.data) / norm, emb.outputs.embedding, atol=1e-6)
