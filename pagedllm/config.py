@@ -198,6 +198,9 @@ def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: boo
     """That every stage gets a layer, and no draft model (it would need stages of its own)."""
     if pp == 1:
         return
+    if model_config.architecture in POOLING_ARCHITECTURES:
+        raise ValueError(f"{model_config.architecture} runs whole on each rank: use tensor_parallel_size, not "
+                         "pipeline_parallel_size")
     layers = model_config.text_config.num_hidden_layers
     if layers < pp:
         raise ValueError(f"pipeline_parallel_size={pp} is more than the {layers} layers of {model_config.model}")

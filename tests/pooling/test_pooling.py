@@ -159,3 +159,29 @@ def test_encode_gives_the_raw_pooled_state(minilm):
     (emb,) = minilm.embed("Hello world", use_tqdm=False)
     norm = np.linalg.norm(raw.outputs.data)
     assert abs(norm - 1) > 1e-3 and np.allclose(np.asarray(raw.outputs.data) / norm, emb.outputs.embedding, atol=1e-6)
+
+
+def test_pooling_with_tensor_and_pipeline_parallelism(tmp_path):
+    """BERT split over two tensor-parallel ranks, a decoder embedder over two pipeline stages:
+    the same vectors as one rank. BERT is not split into stages (a clear error)."""
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    expected = [o.outputs.embedding for o in LLM(runner="pooling", dtype="float32").embed(SENTENCES[:4],
+                                                                                          use_tqdm=False)]
+    tp = LLM(runner="pooling", dtype="float32", tensor_parallel_size=2)
+    try:
+        got = [o.outputs.embedding for o in tp.embed(SENTENCES[:4], use_tqdm=False)]
+    finally:
+        tp.llm_engine.engine_core.shutdown()
+    assert all(_cos(a, b) >= 0.99999 for a, b in zip(got, expected))
+    path = make_tiny_model(str(tmp_path), "qwen3")
+    expected = [o.outputs.embedding for o in LLM(path, runner="pooling", dtype="float32").embed(PROMPTS,
+                                                                                                use_tqdm=False)]
+    pp = LLM(path, runner="pooling", dtype="float32", pipeline_parallel_size=2)
+    try:
+        got = [o.outputs.embedding for o in pp.embed(PROMPTS, use_tqdm=False)]
+    finally:
+        pp.llm_engine.engine_core.shutdown()
+    assert all(_cos(a, b) >= 0.99999 for a, b in zip(got, expected))
+    with pytest.raises(ValueError, match="use tensor_parallel_size, not pipeline_parallel_size"):
+        EngineArgs(runner="pooling", pipeline_parallel_size=2).create_engine_config()
