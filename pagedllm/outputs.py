@@ -4,6 +4,7 @@ return (`PoolingRequestOutput`, `EmbeddingRequestOutput`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -49,45 +50,12 @@ class PoolingOutput:
 
 
 @dataclass(slots=True)
-class PoolingRequestOutput:
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-
-@dataclass(slots=True)
 class EmbeddingOutput:
     embedding: list[float]
 
     @property
     def hidden_size(self) -> int:
         return len(self.embedding)
-
-
-@dataclass(slots=True)
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids, out.finished)
-
-
-@dataclass(slots=True)
-class ScoringOutput:
-    score: float
-
-
-@dataclass(slots=True)
-class ScoringRequestOutput:
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]  # both texts' tokens
-    finished: bool = True
 
 
 @dataclass(slots=True)
@@ -100,12 +68,35 @@ class ClassificationOutput:
 
 
 @dataclass(slots=True)
-class ClassificationRequestOutput:
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One pooling request's result; `outputs` is a PoolingOutput here, and the task's view of
+    the same vector in the subclasses (`from_base`)."""
+
     request_id: str
-    outputs: ClassificationOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(out.outputs.data), out.prompt_token_ids, out.finished)
+    def from_base(cls, out: PoolingRequestOutput) -> Any:
+        return cls(out.request_id, cls.output_type(out.outputs.data), out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    output_type = EmbeddingOutput
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput(PoolingRequestOutput):
+    output_type = ClassificationOutput
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`prompt_token_ids`: both texts' tokens."""

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
@@ -145,26 +146,10 @@ class AsyncLLM:
             raise EngineDeadError()
         if sampling_params.logits_processors:
             raise ValueError("logits_processors cannot cross to the engine-core process; use LLM offline")
-        queue: asyncio.Queue = asyncio.Queue()
         requests = self.frontend.add_request(request_id, prompt, sampling_params, time.time(), priority, cache_salt)
-        self._queues[request_id] = queue
-        finished = False
-        try:
-            client = self.clients[self.balancer.assign([r.request_id for r in requests])]
-            for request in requests:
-                client.add_request(request)
-            while True:
-                out = queue.get_nowait() if not queue.empty() else await queue.get()
-                if isinstance(out, Exception):
-                    finished = True
-                    raise out
-                finished = out.finished
+        async with aclosing(self._stream(request_id, requests)) as stream:  # closed with the caller's generator
+            async for out in stream:
                 yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._abort_now(request_id)
 
     async def encode(
         self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0,
@@ -174,14 +159,23 @@ class AsyncLLM:
         self._bind_loop()
         if self.errored:
             raise EngineDeadError()
-        queue: asyncio.Queue = asyncio.Queue()
         request = self.frontend.add_pooling_request(request_id, prompt, pooling_params, time.time(), priority)
+        async with aclosing(self._stream(request_id, [request])) as stream:  # closed with the caller's generator
+            async for out in stream:
+                yield out
+
+    async def _stream(self, request_id: str, requests: list) -> AsyncGenerator[Any, None]:
+        """Send a registered request's engine-core requests to the least loaded core, then yield
+        its outputs until the finished one; however it ends early, the request is aborted."""
+        queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            self.clients[self.balancer.assign([request_id])].add_request(request)
+            client = self.clients[self.balancer.assign([r.request_id for r in requests])]
+            for request in requests:
+                client.add_request(request)
             while not finished:
-                out = await queue.get()
+                out = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(out, Exception):
                     finished = True
                     raise out

@@ -66,17 +66,21 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
 
-        engine = self.llm_engine
-        ids = []
+        return self._run_engine(self._submit(self.llm_engine.add_request, prompts, params, priority), use_tqdm)
+
+    def _submit(self, add, prompts: list, params: list, priority: list[int] | None) -> list[str]:
+        """`add(request_id, prompt, params, priority=...)` for each prompt; their ids. A bad
+        prompt aborts the ones already added, so none is left running."""
+        ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 req_id = str(next(self._counter))
-                engine.add_request(req_id, prompt, p, priority=priority[i] if priority else 0)
+                add(req_id, prompt, p, priority=priority[i] if priority else 0)
                 ids.append(req_id)
         except Exception:
-            engine.abort_request(ids)  # a bad prompt must not leave the others running
+            self.llm_engine.abort_request(ids)
             raise
-        return self._run_engine(ids, use_tqdm)
+        return ids
 
     def encode(
         self,
@@ -90,16 +94,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params if pooling_params is not None else PoolingParams(task="encode"), prompts,
                              "pooling params")
-        engine = self.llm_engine
-        ids = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                req_id = str(next(self._counter))
-                engine.add_pooling_request(req_id, prompt, p, priority=priority[i] if priority else 0)
-                ids.append(req_id)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        ids = self._submit(self.llm_engine.add_pooling_request, prompts, params, priority)
         return self._run_engine(ids, use_tqdm)
 
     def embed(

@@ -11,13 +11,12 @@ import sys
 import time
 
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.abstract import WorkerDiedError
 from tests.utils import make_tiny_model
-
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

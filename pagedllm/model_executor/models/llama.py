@@ -127,7 +127,9 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class _LlamaHost(nn.Module):
+    """A Llama decoder under a task head: the weights, forward pass and loading they share."""
+
     packed_modules_mapping = PACKED_MODULES
     qkv_bias = False
     qk_norm = False
@@ -136,45 +138,37 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
-        embed = self.model.embed_tokens
-        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
-        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def load_weights(self, weights) -> set[str]:
         return load_weights(self, weights)
+
+
+class LlamaForCausalLM(_LlamaHost):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        embed = self.model.embed_tokens
+        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
+        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
 
 
-class LlamaForSequenceClassification(nn.Module):
+class LlamaForSequenceClassification(_LlamaHost):
     """The decoder with a linear `score` head instead of the LM head: the runner's LAST pooling
     (the prompt's last token) feeds `classify`, which returns the logits."""
 
-    packed_modules_mapping = PACKED_MODULES
-    qkv_bias = False
-    qk_norm = False
-
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        super().__init__(config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.score(pooled.to(self.score.weight.dtype)).float()
-
-    def load_weights(self, weights) -> set[str]:
-        return load_weights(self, weights)
