@@ -49,28 +49,16 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            list(sampling_params)
-            if isinstance(sampling_params, (list, tuple))
-            else [sampling_params] * len(prompts)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
-
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts,
+                             "sampling params")
         return self._run_engine(self._submit(self.llm_engine.add_request, prompts, params, priority), use_tqdm)
 
     def _submit(self, add, prompts: list, params: list, priority: list[int] | None) -> list[str]:
         """`add(request_id, prompt, params, priority=...)` for each prompt; their ids. A bad
         prompt aborts the ones already added, so none is left running."""
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
