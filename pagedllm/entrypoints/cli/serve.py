@@ -14,6 +14,7 @@ from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_fr
 from pagedllm.entrypoints.openai.server_config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_TOOL_OUTPUT_BYTES,
     MAX_PARALLEL_TOOL_CALLS,
     ServerConfig,
 )
@@ -60,6 +61,19 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-parallel-tool-calls", type=int, default=MAX_PARALLEL_TOOL_CALLS,
                    help='most calls the grammar allows for tool_choice "required" unless parallel_tool_calls is '
                         "false (then one) (default: %(default)s)")
+    p.add_argument("--responses-store", default=None,
+                   help="where /v1/responses keeps stored responses and conversations: 'memory' (default) or "
+                        "'sqlite:///relative.db' / 'sqlite:////absolute/path.db', which survives a restart")
+    p.add_argument("--responses-store-max-entries", type=int, default=1000,
+                   help="stored responses (and, separately, conversations) kept; the oldest written goes first "
+                        "(default: %(default)s)")
+    p.add_argument("--responses-store-ttl", type=float, default=None,
+                   help="seconds a stored response or conversation lives after its last write; a background "
+                        "response still running past it is cancelled (default: no expiry)")
+    p.add_argument("--disable-responses-store", action="store_true",
+                   help="store nothing: store=true and background responses get 400, conversations are off")
+    p.add_argument("--max-tool-output-bytes", type=int, default=DEFAULT_MAX_TOOL_OUTPUT_BYTES,
+                   help="largest output one POST /v1/responses/{id}/tool_outputs may carry (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (server events, access log); pagedllm's own lines follow "

@@ -44,12 +44,18 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai.responses_routes import add_responses_routes
+from pagedllm.entrypoints.openai.responses_session import ResponseRegistry
+from pagedllm.entrypoints.openai.responses_store import make_response_store
 from pagedllm.entrypoints.openai.server_config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_conversations import OpenAIServingConversations
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
+from pagedllm.entrypoints.openai.serving_stored_responses import OpenAIServingStoredResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.stream_utils import ClientDisconnected
 from pagedllm.version import __version__
@@ -115,10 +121,15 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, names, metrics)
     scoring = OpenAIServingScore(engine, names, metrics)
+    store = None if config.disable_responses_store else make_response_store(
+        config.responses_store, config.responses_store_max_entries, config.responses_store_ttl)
+    created = OpenAIServingResponses(chat, ResponseRegistry(store, config.responses_store_ttl),
+                                     store_enabled=store is not None)
 
     app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.response_store = store
 
     @app.post("/v1/chat/completions", responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 503,
                                                           stream=True))
@@ -161,6 +172,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         app.post(path, responses=responses(ScoreResponse, 400, 401, 404, 413, 503))(score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.post(path, responses=responses(RerankResponse, 400, 401, 404, 413, 503))(rerank)
+
+    add_responses_routes(app, created, OpenAIServingStoredResponses(created, config.max_tool_output_bytes),
+                         OpenAIServingConversations(store), _serve)
 
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:

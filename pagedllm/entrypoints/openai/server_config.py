@@ -12,6 +12,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_PARALLEL_TOOL_CALLS = 8
+DEFAULT_MAX_TOOL_OUTPUT_BYTES = 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -29,6 +30,12 @@ class ServerConfig:
     api_key: str | None = None
     metrics_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # each space- or comma-separated, or a JSON list
+    # the Responses and Conversations APIs
+    responses_store: str | None = None  # None or "memory": in this process; "sqlite:///file.db": on disk
+    responses_store_max_entries: int = 1000
+    responses_store_ttl: float | None = None  # seconds after its last write a stored response expires
+    disable_responses_store: bool = False
+    max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
     # the HTTP server (cli/serve.py: serve_http)
     host: str = "0.0.0.0"
     port: int = 8000

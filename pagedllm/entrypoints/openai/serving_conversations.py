@@ -1,0 +1,90 @@
+"""The Conversations API: a conversation is an id, metadata and a list of items in the response
+store; a response created with `conversation` reads the items as its history and appends its
+input and output to them (serving_responses.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.entrypoints.openai.responses_items import new_id, normalize_input
+from pagedllm.entrypoints.openai.responses_protocol import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
+)
+from pagedllm.entrypoints.openai.responses_store import ResponseStore
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_stored_responses import page
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    metadata = metadata or {}
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise OpenAIError("metadata holds at most 16 pairs, keys of at most 64 and values of 512 characters",
+                          param="metadata")
+    return metadata
+
+
+class OpenAIServingConversations:
+    def __init__(self, store: ResponseStore | None) -> None:
+        self._store = store
+
+    @property
+    def store(self) -> ResponseStore:
+        if self._store is None:
+            raise OpenAIError("this server runs with --disable-responses-store: conversations are not available")
+        return self._store
+
+    def _get(self, conversation_id: str) -> dict[str, Any]:
+        conv = self.store.get_conversation(conversation_id)
+        if conv is None:
+            raise OpenAIError(f"Conversation with id '{conversation_id}' not found.", 404, param="conversation_id")
+        return conv
+
+    def create(self, request: ConversationCreateRequest) -> dict[str, Any]:
+        items = normalize_input(request.items or [], "items")
+        conv = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
+                "metadata": _check_metadata(request.metadata)}
+        self.store.put_conversation(conv)
+        if items:
+            self.store.add_conversation_items(conv["id"], items)
+        return conv
+
+    def retrieve(self, conversation_id: str) -> dict[str, Any]:
+        return self._get(conversation_id)
+
+    def update(self, conversation_id: str, request: ConversationUpdateRequest) -> dict[str, Any]:
+        conv = self._get(conversation_id)
+        conv["metadata"] = _check_metadata(request.metadata)
+        self.store.put_conversation(conv)
+        return conv
+
+    def delete(self, conversation_id: str) -> dict[str, Any]:
+        if not self.store.delete_conversation(conversation_id):
+            raise OpenAIError(f"Conversation with id '{conversation_id}' not found.", 404, param="conversation_id")
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    def list_items(self, conversation_id: str, *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+        self._get(conversation_id)
+        return page(self.store.conversation_items(conversation_id) or [], limit=limit, order=order, after=after)
+
+    def add_items(self, conversation_id: str, request: ConversationItemsRequest) -> dict[str, Any]:
+        self._get(conversation_id)
+        items = normalize_input(request.items, "items")
+        self.store.add_conversation_items(conversation_id, items)
+        return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
+                "has_more": False}
+
+    def get_item(self, conversation_id: str, item_id: str) -> dict[str, Any]:
+        self._get(conversation_id)
+        for item in self.store.conversation_items(conversation_id) or []:
+            if item.get("id") == item_id:
+                return item
+        raise OpenAIError(f"Item with id '{item_id}' not found.", 404, param="item_id")
+
+    def delete_item(self, conversation_id: str, item_id: str) -> dict[str, Any]:
+        conv = self._get(conversation_id)
+        if not self.store.delete_conversation_item(conversation_id, item_id):
+            raise OpenAIError(f"Item with id '{item_id}' not found.", 404, param="item_id")
+        return conv
