@@ -29,6 +29,7 @@ class ServerConfig:
     api_key: str | None = None
     metrics_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # each space- or comma-separated, or a JSON list
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
     # the HTTP server (cli/serve.py: serve_http)
     host: str = "0.0.0.0"
     port: int = 8000
