@@ -40,6 +40,9 @@ def add_serve_parser(subparsers) -> None:
                    help="Jinja chat template, as a file path or inline text (read once at start)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` (Jinja text, never a path) in requests; default: 400")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration (special tokens, class, "
+                        "chat template; never file paths), as clients with a remote tokenizer (lm-eval) read it")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get 413 before they are parsed (default: %(default)s)")
     p.add_argument("--limit-concurrency", type=int, default=None,

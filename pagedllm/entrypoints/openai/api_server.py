@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from pagedllm.entrypoints.openai.responses_routes import add_responses_routes
 from pagedllm.entrypoints.openai.responses_session import ResponseRegistry
@@ -52,7 +53,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_conversations import OpenAIServingConversations
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_stored_responses import OpenAIServingStoredResponses
@@ -176,11 +177,24 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     add_responses_routes(app, created, OpenAIServingStoredResponses(created, config.max_tool_output_bytes),
                          OpenAIServingConversations(store), _serve)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=model_config.model_path, max_model_len=model_config.max_model_len)
+
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:
-        cards = [ModelCard(id=name, root=model_config.model_path, max_model_len=model_config.max_model_len)
-                 for name in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=[model_card(name) for name in names]).model_dump())
+
+    # `:path`: a served name may hold slashes ("org/name"), as the openai SDK sends it.
+    @app.get("/v1/models/{model_id:path}", responses=responses(ModelCard, 401, 404))
+    async def show_model(model_id: str) -> Response:
+        if model_id not in names:
+            return OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model").to_response()
+        return JSONResponse(model_card(model_id).model_dump())
+
+    if config.enable_tokenizer_info_endpoint:  # off by default, as in vLLM
+        @app.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, 401))
+        async def tokenizer_info() -> Response:
+            return await _serve(run_blocking(lambda: JSONResponse(tokenization.tokenizer_info())))
 
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -387,3 +387,16 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """GET /tokenizer_info (with --enable-tokenizer-info-endpoint), as vLLM's: the tokenizer's
+    configuration (its init arguments, less anything naming a file) and these fields."""
+
+    tokenizer_class: str
+    model_max_length: int  # the server's max_model_len
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None  # the one chat completions use, if any

@@ -3,6 +3,7 @@ completions formats, vLLM's prompt_logprobs, usage, and per-choice stream deltas
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,24 +59,58 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content=content)
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens: the named ones and added tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    try:
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(i for i, tok in decoder.items() if getattr(tok, "special", False))
+    except Exception:  # an unusual tokenizer: the named special tokens only
+        pass
+    return frozenset(ids)
+
+
 def completion_logprobs(
     token_ids: list[int],
     logprobs: list[dict[int, Logprob] | None],
     top_n: int,
     tokenizer: Any,
     initial_offset: int = 0,
+    *,
+    text: str | None = None,
+    special_ids: Collection[int] = (),
 ) -> CompletionLogProbs:
-    """The legacy format; `None` entries (the first prompt token, which has no logprob)
-    give None as in OpenAI's echo output. text_offset is the running length of the token
-    strings: the index into the choice's text wherever tokens decode to whole characters."""
+    """The legacy format (completion_logprobs_with_end, without the end offset)."""
+    return completion_logprobs_with_end(token_ids, logprobs, top_n, tokenizer, initial_offset,
+                                        text=text, special_ids=special_ids)[0]
+
+
+def completion_logprobs_with_end(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    top_n: int,
+    tokenizer: Any,
+    initial_offset: int = 0,
+    *,
+    text: str | None = None,
+    special_ids: Collection[int] = (),
+) -> tuple[CompletionLogProbs, int]:
+    """The legacy format, and the text_offset a token after these would get. `None` entries
+    (the first prompt token, which has no logprob) give None as in OpenAI's echo output.
+    text_offset is the running length of the token strings: the index into the choice's
+    text wherever tokens decode to whole characters. `text` is that text from
+    `initial_offset` on: a special token (one of `special_ids`) that it does not show at the
+    token's place (a BOS the tokenizer added to a text prompt, an EOS hidden by
+    skip_special_tokens) takes no room, so the offsets after it still index into the text."""
     out = CompletionLogProbs()
     offset = initial_offset
     for tok, entry in zip(token_ids, logprobs):
         chosen = entry.get(tok) if entry is not None else None
-        text = _token_text(tok, chosen, tokenizer)
-        out.tokens.append(text)
+        token_text = _token_text(tok, chosen, tokenizer)
+        out.tokens.append(token_text)
         out.text_offset.append(offset)
-        offset += len(text)
+        if not (text is not None and tok in special_ids and not text.startswith(token_text, offset - initial_offset)):
+            offset += len(token_text)
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -83,9 +118,9 @@ def completion_logprobs(
         out.token_logprobs.append(_clamp(chosen.logprob) if chosen is not None else _LOGPROB_FLOOR)
         top = {_token_text(t, lp, tokenizer): _clamp(lp.logprob) for t, lp in _top_ranked(entry, top_n)}
         if chosen is not None:
-            top.setdefault(text, _clamp(chosen.logprob))
+            top.setdefault(token_text, _clamp(chosen.logprob))
         out.top_logprobs.append(top)
-    return out
+    return out, offset
 
 
 def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:

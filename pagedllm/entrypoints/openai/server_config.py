@@ -30,6 +30,7 @@ class ServerConfig:
     api_key: str | None = None
     metrics_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # each space- or comma-separated, or a JSON list
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
     # the Responses and Conversations APIs
     responses_store: str | None = None  # None or "memory": in this process; "sqlite:///file.db": on disk
     responses_store_max_entries: int = 1000

@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt (text, texts, token ids or lists of
 them), `n` choices each, indexed prompt-major as OpenAI does; echo and the legacy
-logprobs format; streamed as `text_completion` chunks."""
+logprobs format; streamed as `text_completion` chunks. `echo` with `max_tokens` 0 returns
+the prompt alone, with its tokens' logprobs (how loglikelihood scorers such as lm-eval use it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -23,9 +26,10 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.response_utils import (
     DeltaTracker,
-    completion_logprobs,
+    completion_logprobs_with_end,
     output_usage,
     prompt_logprobs_json,
+    special_token_ids,
     usage_info,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
@@ -50,7 +54,19 @@ class _Prompt:
     from_text: bool
 
 
+def _echo_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt and its logprobs, no completion (vLLM's and
+    OpenAI's legacy behaviour). The engine runs one step, whose token is dropped."""
+    return request.echo and request.max_tokens == 0
+
+
 class OpenAIServingCompletion(OpenAIServing):
+    def __init__(
+        self, engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics | None = None
+    ) -> None:
+        super().__init__(engine, served_model_names, metrics)
+        self.special_ids = special_token_ids(self.tokenizer)  # see completion_logprobs_with_end
+
     def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
         p = request.prompt
         if isinstance(p, str):
@@ -84,13 +100,20 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_common(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
+        echo_only = _echo_only(request)
+        if request.max_tokens == 0 and not request.echo:
+            raise OpenAIError("max_tokens must be at least 1 (0 only with echo, to return the prompt alone)",
+                              param="max_tokens")
+        if echo_only and request.min_tokens:
+            raise OpenAIError("min_tokens must be 0 when max_tokens is 0", param="min_tokens")
         model = self.model_name(request.model)
         prompts = await run_blocking(self._prompts, request)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
         params = self.sampling_params(
-            request, max_tokens=request.max_tokens, logprobs=request.logprobs,
+            request, max_tokens=1 if echo_only else request.max_tokens,
+            logprobs=None if echo_only else request.logprobs,
             prompt_logprobs=prompt_logprobs, best_of=request.best_of,
         )
         request_id = f"cmpl-{request.request_id or random_id()}"
@@ -114,11 +137,22 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(self._response(request, prompts, finals, request_id, model, created).model_dump())
 
     def _logprobs(
-        self, request: CompletionRequest, token_ids: list[int], logprobs: list | None, offset: int
-    ) -> CompletionLogProbs | None:
+        self, request: CompletionRequest, token_ids: list[int], logprobs: list | None, offset: int, text: str
+    ) -> tuple[CompletionLogProbs | None, int]:
+        """The legacy logprobs of tokens whose text, `text`, starts at `offset` in the choice's
+        text, and the offset that follows them."""
         if request.logprobs is None or logprobs is None:
-            return None
-        return completion_logprobs(token_ids, logprobs, request.logprobs, self.tokenizer, offset)
+            return None, offset
+        return completion_logprobs_with_end(token_ids, logprobs, request.logprobs, self.tokenizer, offset,
+                                            text=text, special_ids=self.special_ids)
+
+    @staticmethod
+    def _usage(request: CompletionRequest, outputs: list[RequestOutput]) -> UsageInfo:
+        usage = output_usage(outputs)
+        if _echo_only(request):  # the engine's one token is not returned
+            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            usage = usage_info(usage.prompt_tokens, 0, cached)
+        return usage
 
     def _echo_logprobs(self, request: CompletionRequest, prompt: _Prompt, out: RequestOutput) -> tuple[list, list]:
         """Prompt token ids and their logprobs (None where the engine has none), for echo."""
@@ -131,28 +165,34 @@ class OpenAIServingCompletion(OpenAIServing):
         model: str, created: int,
     ) -> CompletionResponse:
         n = request.n or 1
+        echo_only = _echo_only(request)
         choices = []
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
             for c in out.outputs:
                 text, token_ids, lps = c.text, c.token_ids, c.logprobs
-                if request.echo:
+                finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                if echo_only:
+                    text, (token_ids, lps) = prompt.text, self._echo_logprobs(request, prompt, out)
+                    finish_reason, stop_reason = "length", None
+                elif request.echo:
                     p_ids, p_lps = self._echo_logprobs(request, prompt, out)
                     text, token_ids = prompt.text + text, p_ids + list(token_ids)
                     lps = p_lps + list(lps) if lps is not None else None
                 choices.append(CompletionResponseChoice(
-                    index=i * n + c.index, text=text, logprobs=self._logprobs(request, token_ids, lps, 0),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    index=i * n + c.index, text=text, logprobs=self._logprobs(request, token_ids, lps, 0, text)[0],
+                    finish_reason=finish_reason, stop_reason=stop_reason,
                     prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
                     if request.prompt_logprobs is not None else None,
                 ))
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=output_usage(finals))
+                                  usage=self._usage(request, finals))
 
     async def _stream(
         self, request: CompletionRequest, prompts: list[_Prompt], streams: list[AsyncIterator[RequestOutput]],
         request_id: str, model: str, created: int,
     ) -> AsyncIterator[str]:
         n = request.n or 1
+        echo_only = _echo_only(request)
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
@@ -170,11 +210,20 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in merge_async_iterators(streams):
                 num_prompt = len(out.prompt_token_ids)
+                if echo_only:  # the prompt alone, once its request is done (one engine step)
+                    if out.finished:
+                        last[i] = out
+                        p_ids, p_lps = self._echo_logprobs(request, prompts[i], out)
+                        logprobs = self._logprobs(request, p_ids, p_lps, 0, prompts[i].text)[0]
+                        for j in range(n):
+                            yield chunk(CompletionResponseChoice(index=i * n + j, text=prompts[i].text,
+                                                                 logprobs=logprobs, finish_reason="length"),
+                                        usage_info(num_prompt, 0) if continuous else None)
+                    continue
                 if last[i] is None and request.echo:
                     p_ids, p_lps = self._echo_logprobs(request, prompts[i], out)
                     for j in range(n):
-                        logprobs = self._logprobs(request, p_ids, p_lps, 0)
-                        offsets[i, j] = _end_offset(logprobs, 0)
+                        logprobs, offsets[i, j] = self._logprobs(request, p_ids, p_lps, 0, prompts[i].text)
                         yield chunk(CompletionResponseChoice(index=i * n + j, text=prompts[i].text, logprobs=logprobs),
                                     usage_info(num_prompt, 0) if continuous else None)
                 last[i] = out
@@ -186,14 +235,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     if not d.text and d.finish_reason is None and not (wants_logprobs and d.token_ids):
                         continue  # tokens whose text is held back (a possible stop string)
                     start = offsets.get((i, c.index), 0)
-                    logprobs = self._logprobs(request, d.token_ids, d.logprobs, start)
-                    offsets[i, c.index] = _end_offset(logprobs, start)
+                    logprobs, offsets[i, c.index] = self._logprobs(request, d.token_ids, d.logprobs, start, d.text)
                     usage = usage_info(num_prompt, trackers[i].num_tokens(c.index)) if continuous else None
                     yield chunk(CompletionResponseChoice(
                         index=i * n + c.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason), usage)
             if include_usage:
-                yield chunk(None, output_usage([o for o in last if o is not None]))
+                yield chunk(None, self._usage(request, [o for o in last if o is not None]))
         except OpenAIError as e:
             yield sse(e.to_body())
         except EngineDeadError as e:
@@ -212,8 +260,3 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestO
         raise OpenAIError("the engine returned no output", 500)
     return finals
 
-
-def _end_offset(logprobs: CompletionLogProbs | None, start: int) -> int:
-    if logprobs is None or not logprobs.tokens:
-        return start
-    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])

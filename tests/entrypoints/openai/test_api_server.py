@@ -276,6 +276,82 @@ def test_models_version_tokenize(client, fake_tokenizer):
     _error(client.post("/tokenize", json={}), 400)
 
 
+def test_model_retrieve_by_id_with_slashes(fake_engine):
+    client = TestClient(build_app(fake_engine, _args(served_model_names=("org/fake-model", "b"))))
+    listed = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    for name in ("org/fake-model", "b"):
+        card = client.get(f"/v1/models/{name}").json()
+        assert card == {**listed[name], "created": card["created"]} and card["object"] == "model"
+    for unknown in ("fake-model", "org", "org/fake-model/x", ""):
+        err = _error(client.get(f"/v1/models/{unknown}"), 404)
+        assert err["type"] == "not_found_error"
+
+
+def test_tokenizer_info_needs_its_flag_and_shows_no_server_paths(fake_model_dir):
+    from transformers import AutoTokenizer
+
+    from tests.entrypoints.openai.fake_engine import FakeEngine
+
+    tok = AutoTokenizer.from_pretrained(fake_model_dir)  # its own copy: init_kwargs change below
+    tok.init_kwargs.update({
+        "vocab_file": f"{fake_model_dir}/vocab.json", "tokenizer_file": f"{fake_model_dir}/tokenizer.json",
+        "special_tokens_map_file": "/etc/special_tokens_map.json", "cache_dir": "/root/.cache/hf",
+        "auto_map": {"AutoTokenizer": [f"{fake_model_dir}/tokenization_x.py", None]},
+        "sp_model_kwargs": {"model": "/opt/models/sp.model", "enable_sampling": False},
+        "extra_special_tokens": {"image_token": "<img>"}, "clean_up_tokenization_spaces": False,
+        "unserialisable": object(), "nan": float("nan"),
+    })
+    engine = FakeEngine(tok, fake_model_dir)
+    _error(TestClient(build_app(engine, _args())).get("/tokenizer_info"), 404)  # off by default, as in vLLM
+    client = TestClient(build_app(engine, _args(enable_tokenizer_info_endpoint=True, api_key="k")))
+    _error(client.get("/tokenizer_info"), 401)
+    r = client.get("/tokenizer_info", headers={"Authorization": "Bearer k"})
+    info = r.json()
+    # What lm-eval's RemoteTokenizer reads, and vLLM's fields.
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == ("</s>", "<s>", "<pad>")
+    assert info["tokenizer_class"] == type(tok).__name__ and info["model_max_length"] == 64
+    assert info["chat_template"] == CHAT_TEMPLATE  # the one chat completions use
+    assert info["added_tokens_decoder"]["1"] == "<s>" and info["extra_special_tokens"] == {"image_token": "<img>"}
+    assert info["clean_up_tokenization_spaces"] is False and info["sp_model_kwargs"] == {"enable_sampling": False}
+    assert info["auto_map"] == {"AutoTokenizer": [None]}
+    for gone in ("vocab_file", "tokenizer_file", "special_tokens_map_file", "cache_dir", "name_or_path",
+                 "unserialisable", "nan"):
+        assert gone not in info
+    for secret in (fake_model_dir, "/etc/", "/root/", "/opt/"):
+        assert secret not in r.text
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, fake_engine):
+    body = {"prompt": ["a b", "c"], "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = client.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in r["choices"]] == ["a b", "c"]
+    assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"]
+    assert r["choices"][0]["logprobs"]["tokens"] == ["a", " b"] and r["choices"][0]["logprobs"]["text_offset"] == [0, 1]
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 3
+    params = fake_engine.calls[0][1]  # one engine step, its token dropped; the prompt's logprobs
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (1, 1, None)
+    events = _events(client.post("/v1/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}}))
+    streamed = sorted((e["choices"][0] for e in events[:-1]), key=lambda c: c["index"])
+    assert streamed == [_without(c, "prompt_logprobs") for c in r["choices"]]  # one chunk per choice
+    assert events[-1]["usage"] == r["usage"]
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ({"max_tokens": 0, "stream": True}, "max_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+])
+def test_max_tokens_zero_without_echo_is_400(client, fake_engine, body, param):
+    err = _error(client.post("/v1/completions", json={"prompt": "a", **body}), 400)
+    assert err["param"] == param and not fake_engine.calls
+
+
 def test_dead_engine_is_503(client, fake_engine):
     fake_engine.errored = True
     _error(client.get("/health"), 503)

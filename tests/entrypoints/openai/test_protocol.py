@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     DeltaTracker,
     chat_logprobs,
     completion_logprobs,
+    completion_logprobs_with_end,
     output_usage,
     prompt_logprobs_json,
 )
@@ -229,6 +230,21 @@ def test_completion_logprobs_format_with_echoed_prompt():
     assert lp["tokens"] == ["<3>", "lo", "!"] and lp["text_offset"] == [0, 3, 5]
     assert lp["token_logprobs"] == [None, -1.0, -0.2]
     assert lp["top_logprobs"] == [None, {"p": -0.5, "lo": -1.0}, {"!": -0.2}]  # top-1 plus the sampled token
+
+
+def test_completion_logprobs_special_tokens_absent_from_the_text_take_no_room():
+    # A BOS the tokenizer added (id 3, "<3>") is not in the echoed text "lo!": it gets offset 0
+    # and the first real token does too. Where the text shows it (a prompt of token ids,
+    # decoded with its specials), it counts as before. An EOS at the end likewise.
+    entries = [None, {4: Logprob(-1.0, 1, "lo")}, {7: Logprob(-0.2, 1, "!")}, {9: Logprob(-0.1, 1, "<9>")}]
+    lp, end = completion_logprobs_with_end([3, 4, 7, 9], entries, 1, _Tok(), text="lo!", special_ids={3, 9})
+    assert lp.tokens == ["<3>", "lo", "!", "<9>"] and lp.text_offset == [0, 0, 2, 3] and end == 3
+    lp, end = completion_logprobs_with_end([3, 4, 7], entries[:3], 1, _Tok(), text="<3>lo!", special_ids={3})
+    assert lp.text_offset == [0, 3, 5] and end == 6
+    # a stream chunk: its text starts at the initial offset
+    lp, end = completion_logprobs_with_end([7, 9], entries[2:], 1, _Tok(), 5, text="!", special_ids={9})
+    assert lp.text_offset == [5, 6] and end == 6
+    assert completion_logprobs([3, 4], entries[:2], 1, _Tok()).text_offset == [0, 3]  # no text: lengths only
 
 
 def test_prompt_logprobs_json_and_usage():
