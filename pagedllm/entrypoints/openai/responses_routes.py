@@ -48,7 +48,7 @@ def add_responses_routes(app: FastAPI, created: OpenAIServingResponses, stored: 
                                 starting_after: int | None = Query(default=None, ge=-1)) -> Response:
         return await serve(stored.retrieve(response_id, stream, starting_after))
 
-    @app.post("/v1/responses/{response_id}/cancel", responses=responses(ResponseObject, 400, 401, 404))
+    @app.post("/v1/responses/{response_id}/cancel", responses=responses(ResponseObject, 400, 401, 404, 413))
     async def cancel_response(response_id: str) -> Response:
         return await serve(_json(stored.cancel(response_id)))
 

@@ -335,3 +335,26 @@ def test_openai_agents_run_calls_the_tool(server):
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert isinstance(result.final_output, Forecast)
+
+
+def test_sqlite_store_survives_a_restart(tiny_llama, tmp_path_factory, tmp_path):
+    """--responses-store sqlite:///...: a stored response, its stream and a conversation outlive the server."""
+    flags = ("--responses-store", f"sqlite:///{tmp_path}/responses.db")
+    first = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
+    client = openai.OpenAI(base_url=f"{next(first)}/v1", api_key=API_KEY, max_retries=0)
+    resp = client.responses.create(model=MODEL, input="Hello", **GREEDY)
+    conv = client.conversations.create(items=[{"role": "user", "content": "Remember me"}])
+    first.close()  # the server process stops
+
+    second = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
+    client = openai.OpenAI(base_url=f"{next(second)}/v1", api_key=API_KEY, max_retries=0)
+    try:
+        got = client.responses.retrieve(resp.id)
+        assert got.output_text == resp.output_text and got.usage.output_tokens == 12
+        events = list(client.responses.retrieve(resp.id, stream=True))
+        assert events[-1].type == "response.incomplete" and events[-1].response.output_text == resp.output_text
+        follow = client.responses.create(model=MODEL, input="More", previous_response_id=resp.id, **GREEDY)
+        assert follow.usage.input_tokens > resp.usage.input_tokens + 12
+        assert client.conversations.items.list(conv.id).data[0].content[0].text == "Remember me"
+    finally:
+        second.close()
