@@ -178,7 +178,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
                          OpenAIServingConversations(store), _serve)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=model_config.model_path, max_model_len=model_config.max_model_len)
+        # root: the model as the operator named it (vLLM's), never the resolved path on this machine
+        return ModelCard(id=name, root=model_config.model or names[0], max_model_len=model_config.max_model_len)
 
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:
