@@ -235,6 +235,48 @@ class StructuredOutputsConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA: adapters live in `max_loras` slots of stacked weights (one step uses at most
+    that many distinct adapters); `max_cpu_loras` loaded adapters are kept, least recently used
+    evicted first."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+MAX_LORA_RANK_LIMIT = 256
+
+
+def build_lora_config(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> LoRAConfig:
+    if max_loras < 1:
+        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    if not 1 <= max_lora_rank <= MAX_LORA_RANK_LIMIT:
+        raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK_LIMIT}], got {max_lora_rank}")
+    cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+    if cpu < max_loras:
+        raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})")
+    return LoRAConfig(max_loras, max_lora_rank, cpu)
+
+
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Gemma3ForCausalLM")
+
+
+def check_lora_support(model_config: ModelConfig, parallel: ParallelConfig, speculative: bool) -> None:
+    """LoRA runs on the decoder LMs, on one rank, without speculative decoding: clear errors otherwise."""
+    if model_config.runner != "generate":
+        raise ValueError("--enable-lora needs --runner generate")
+    if model_config.architecture not in LORA_ARCHITECTURES:
+        raise ValueError(f"LoRA is not supported for {model_config.architecture}; "
+                         f"supported: {', '.join(LORA_ARCHITECTURES)}")
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ValueError("--enable-lora runs on one rank: use -dp for more engines, not -tp or -pp")
+    if speculative:
+        raise ValueError("--enable-lora cannot be combined with --speculative-config")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -243,6 +285,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
 
 def resolve_device(device: str) -> torch.device:

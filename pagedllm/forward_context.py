@@ -52,17 +52,25 @@ class DecodeView:
 
 
 _current: AttentionMetadata | None = None
+_lora_mask: torch.Tensor | None = None
 
 
 @contextmanager
-def set_forward_context(metadata: AttentionMetadata | None) -> Iterator[None]:
-    global _current
+def set_forward_context(metadata: AttentionMetadata | None, lora_mask: torch.Tensor | None = None) -> Iterator[None]:
+    """`lora_mask` [tokens, max_loras * max_rank]: which adapter slot's columns each token uses
+    (layers/lora.py); None when no token of the step runs an adapter."""
+    global _current, _lora_mask
     prev, _current = _current, metadata
+    prev_mask, _lora_mask = _lora_mask, lora_mask
     try:
         yield
     finally:
-        _current = prev
+        _current, _lora_mask = prev, prev_mask
 
 
 def get_attention_metadata() -> AttentionMetadata | None:
     return _current
+
+
+def get_lora_mask() -> torch.Tensor | None:
+    return _lora_mask

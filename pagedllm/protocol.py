@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     # A text pair for a cross-encoder: which tokens belong to the second text (BERT's segments).
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

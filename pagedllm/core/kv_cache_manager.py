@@ -35,7 +35,9 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def _update_block_hashes(self, request: Request) -> None:
-        extra = (request.cache_salt,) if request.cache_salt else None
+        # A salt or an adapter keys the blocks apart: the same prompt under two adapters has other K/V.
+        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        extra = (request.cache_salt, lora_id) if request.cache_salt or lora_id else None
         compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, extra)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

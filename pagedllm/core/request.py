@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class Request:
     num_synced_blocks: int = 0
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -89,6 +91,7 @@ class Request:
             group_id=req.group_id,
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
+            lora_request=req.lora_request,
         )
 
     @property

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

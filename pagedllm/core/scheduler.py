@@ -53,8 +53,11 @@ class Scheduler:
         cache_config: CacheConfig,
         structured_output_manager=None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        # Most distinct LoRA adapters among the running requests (the workers' slots); None: no LoRA.
+        self.max_loras = max_loras
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -197,6 +200,7 @@ class Scheduler:
         skipped: list[Request] = []  # grammars still compiling, samples waiting for a sibling's prefill
         prefilling_groups: set[str] = set()  # groups whose prompt a sibling computes this step
         holds_released = False
+        active_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while (
             not preempted
             and not blocked
@@ -213,6 +217,12 @@ class Scheduler:
                     self._fail_grammar(request)
                     continue
                 request.status = RequestStatus.WAITING
+            lora = request.lora_request
+            if lora is not None and self.max_loras is not None and lora.lora_int_id not in active_loras:
+                if len(active_loras) >= self.max_loras:
+                    skipped.append(self.waiting.pop())  # its adapter waits for a free slot; the queue goes on
+                    continue
+                active_loras.add(lora.lora_int_id)
             if shares_prompt(request):
                 group_id = request.group_id
                 if group_id not in prefilling_groups and self._prompt_source(group_id) is not None:
@@ -258,6 +268,16 @@ class Scheduler:
         for group_id in list(self.groups):
             self._release_idle_group(group_id)
         return self._build_output(num_scheduled, preempted)
+
+    def lora_stats(self) -> dict[str, float]:
+        """Running and waiting requests per adapter: "lora_running:NAME", "lora_waiting:NAME"."""
+        stats: dict[str, float] = {}
+        for prefix, requests in (("lora_running:", self.running), ("lora_waiting:", self.waiting)):
+            for r in requests:
+                if r.lora_request is not None:
+                    key = prefix + r.lora_request.lora_name
+                    stats[key] = stats.get(key, 0) + 1
+        return stats
 
     def _fail_grammar(self, request: Request) -> None:
         error = request.structured_output.error  # read before _free_request drops it
@@ -372,7 +392,8 @@ class Scheduler:
             if request.num_synced_tokens == 0:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,
-                    request.output_token_ids[:], request.pooling_params, request.token_type_ids))
+                    request.output_token_ids[:], request.pooling_params, request.token_type_ids,
+                    request.lora_request))
             else:
                 cached.req_ids.append(req_id)
                 cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])

@@ -18,9 +18,11 @@ from pagedllm.config import (
     EngineConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    build_lora_config,
     build_model_config,
     build_parallel_config,
     build_pooler_config,
+    check_lora_support,
     check_pipeline_parallel,
     check_quantization,
     check_tensor_parallel,
@@ -74,6 +76,11 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; default: uni for one rank, else mp
+    # Multi-LoRA: requests may name PEFT adapters (LoRARequest), up to max_loras distinct ones per step
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # loaded adapters kept (LRU); default: max_loras
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -156,6 +163,10 @@ class EngineArgs:
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
         check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
                                 speculative_config is not None and speculative_config.method == "draft_model")
+        lora_config = None
+        if self.enable_lora:
+            lora_config = build_lora_config(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            check_lora_support(model_config, parallel_config, speculative_config is not None)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -177,6 +188,7 @@ class EngineArgs:
             speculative_config=speculative_config,
             structured_outputs_config=StructuredOutputsConfig(reasoning_parser=self.reasoning_parser or None),
             parallel_config=parallel_config,
+            lora_config=lora_config,
         )
 
 

@@ -13,12 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
+from pagedllm.config import LoRAConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import MPClient
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreOutputs
@@ -66,7 +68,7 @@ class AsyncLLM:
     def _load_frontend(self) -> None:
         """The tokenizer loads here while the engine-core process loads the model."""
         self.frontend = Frontend(self.config.model_config, self.config.scheduler_config,
-                                 self.config.structured_outputs_config.reasoning_parser)
+                                 self.config.structured_outputs_config.reasoning_parser, self.config.lora_config)
         self.tokenizer = self.frontend.tokenizer
         self.processor = self.frontend.processor
 
@@ -138,6 +140,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Cumulative RequestOutputs as the request progresses; the last has finished=True.
         Closing the generator early aborts the request and frees its KV blocks."""
@@ -146,7 +149,8 @@ class AsyncLLM:
             raise EngineDeadError()
         if sampling_params.logits_processors:
             raise ValueError("logits_processors cannot cross to the engine-core process; use LLM offline")
-        requests = self.frontend.add_request(request_id, prompt, sampling_params, time.time(), priority, cache_salt)
+        requests = self.frontend.add_request(request_id, prompt, sampling_params, time.time(), priority, cache_salt,
+                                             lora_request)
         async with aclosing(self._stream(request_id, requests)) as stream:  # closed with the caller's generator
             async for out in stream:
                 yield out
@@ -222,6 +226,19 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self._call("reset_prefix_cache"))
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        return self.config.lora_config
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (a ValueError says what is wrong; the engine is
+        untouched); requests may then name it. Returns whether it is new."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.frontend.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        removed = self.frontend.remove_lora(lora_int_id)
+        return any(await self._call("remove_lora", lora_int_id)) or removed
 
     async def check_health(self) -> None:
         if self.errored or not all(c.is_alive() for c in self.clients):

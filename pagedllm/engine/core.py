@@ -43,7 +43,9 @@ class EngineCore:
         logger.info("Warm-up: the first forward passes in %.1f s", time.perf_counter() - start)
         self.structured_output_manager = StructuredOutputManager(
             config.model_config, config.structured_outputs_config.reasoning_parser)
-        self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config)
+        lora = config.lora_config
+        self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config,
+                                   max_loras=lora.max_loras if lora is not None else None)
         # Pipeline parallel: steps in flight, oldest first (vLLM's batch queue).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self.batch_queue_size
@@ -139,6 +141,7 @@ class EngineCore:
             "prefix_cache_hit_rate": pc.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.scheduler.spec_decoding_stats.as_dict() if self.config.speculative_config else {}),
+            **(self.scheduler.lora_stats() if self.config.lora_config else {}),
         }
 
     def shutdown(self) -> None:
@@ -148,3 +151,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Workers forget an adapter (a request still using it loads it again from its path)."""
+        return any(self.model_executor.collective_rpc("remove_lora", args=(lora_int_id,)))

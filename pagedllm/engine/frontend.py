@@ -7,9 +7,11 @@ import logging
 import time
 from typing import Any
 
-from pagedllm.config import ModelConfig, SchedulerConfig
+from pagedllm.config import LoRAConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.output_processor import OutputProcessor, OutputProcessorResult, ParentRequest
 from pagedllm.engine.processor import Processor, PromptType, fan_out
+from pagedllm.lora.peft import check_adapter
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
@@ -21,8 +23,10 @@ logger = logging.getLogger(__name__)
 
 class Frontend:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self.loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self.pooling = model_config.runner == "pooling"
         self.scheduling_policy = scheduler_config.policy
         start = time.perf_counter()
@@ -44,6 +48,7 @@ class Frontend:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate and register a request; returns the engine-core requests to submit
         (one, or one per sample for n / best_of > 1). Raises ValueError on bad input."""
@@ -55,9 +60,12 @@ class Frontend:
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError("priority is only supported with scheduling_policy='priority'")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         request, text = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority, cache_salt
         )
+        request.lora_request = lora_request
         if request.sampling_params.best_of == 1:
             op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
             return [request]
@@ -83,6 +91,26 @@ class Frontend:
         request.priority = priority
         op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
         return request
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model once (files, config, targets, shapes, rank): a
+        ValueError names what is wrong. Returns whether it is new."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora_request.lora_path:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already adapter {known.lora_name!r} "
+                                 f"({known.lora_path}); give each adapter its own id")
+            return False
+        check_adapter(lora_request.lora_path, self.model_config.text_config, self.lora_config.max_lora_rank)
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.loras.pop(lora_int_id, None) is not None
 
     def process_outputs(self, outputs, timestamp: float) -> OutputProcessorResult:
         return self.output_processor.process_outputs(outputs, timestamp)

@@ -15,6 +15,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.frontend import Frontend
 from pagedllm.engine.processor import PromptType
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.frontend = Frontend(config.model_config, config.scheduler_config,
-                                 config.structured_outputs_config.reasoning_parser)
+                                 config.structured_outputs_config.reasoning_parser, config.lora_config)
         self.tokenizer = self.frontend.tokenizer
         self.processor = self.frontend.processor
         self.output_processor = self.frontend.output_processor
@@ -46,11 +47,13 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if params.logits_processors and self.config.parallel_config.distributed_executor_backend != "uni":
             raise ValueError("logits_processors are Python callables, which cannot reach worker processes; "
                              "use distributed_executor_backend='uni'")
-        requests = self.frontend.add_request(request_id, prompt, params, arrival_time, priority)
+        requests = self.frontend.add_request(request_id, prompt, params, arrival_time, priority,
+                                             lora_request=lora_request)
         core = self.engine_cores[self.balancer.assign([r.request_id for r in requests])]
         for request in requests:
             core.add_request(request)
@@ -59,6 +62,14 @@ class LLMEngine:
                             arrival_time: float | None = None, priority: int = 0) -> None:
         request = self.frontend.add_pooling_request(request_id, prompt, params, arrival_time, priority)
         self.engine_cores[self.balancer.assign([request_id])].add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (a ValueError says what is wrong); requests then name it."""
+        return self.frontend.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        removed = self.frontend.remove_lora(lora_int_id)
+        return any([core.remove_lora(lora_int_id) for core in self.engine_cores]) or removed
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         busy = [core for core in self.engine_cores if core.has_unfinished_requests()] or self.engine_cores[:1]

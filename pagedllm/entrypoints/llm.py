@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -48,13 +49,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts,
                              "sampling params")
-        return self._run_engine(self._submit(self.llm_engine.add_request, prompts, params, priority), use_tqdm)
+        loras = _per_prompt(lora_request, prompts, "LoRA requests") if lora_request is not None else None
+        ids = self._submit(self.llm_engine.add_request, prompts, params, priority, loras)
+        return self._run_engine(ids, use_tqdm)
 
-    def _submit(self, add, prompts: list, params: list, priority: list[int] | None) -> list[str]:
+    def _submit(self, add, prompts: list, params: list, priority: list[int] | None,
+                loras: list[LoRARequest | None] | None = None) -> list[str]:
         """`add(request_id, prompt, params, priority=...)` for each prompt; their ids. A bad
         prompt aborts the ones already added, so none is left running."""
         if priority is not None and len(priority) != len(prompts):
@@ -63,7 +69,8 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 req_id = str(next(self._counter))
-                add(req_id, prompt, p, priority=priority[i] if priority else 0)
+                extra = {"lora_request": loras[i]} if loras is not None and loras[i] is not None else {}
+                add(req_id, prompt, p, priority=priority[i] if priority else 0, **extra)
                 ids.append(req_id)
         except Exception:
             self.llm_engine.abort_request(ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
     # A step's part, in the row `InputBatch.update_states` makes for it:
     token_ids: list[int] = field(default_factory=list)  # the tokens to compute (drafts last)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
@@ -84,4 +86,4 @@ class InputBatch:
 def _from_new(new: NewRequestData) -> CachedRequestState:
     return CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
                               new.num_computed_tokens, list(new.output_token_ids), new.pooling_params,
-                              new.token_type_ids)
+                              new.token_type_ids, new.lora_request)

@@ -20,6 +20,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_group
 from pagedllm.forward_context import set_forward_context
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
@@ -58,6 +59,10 @@ class ModelRunner:
         self.input_batch = InputBatch()
         # Steps between forward() and sample_tokens(), oldest first (several with pipeline parallel).
         self._pending: deque[tuple] = deque()
+        self.lora_manager = None
+        if config.lora_config is not None:
+            mc = config.model_config
+            self.lora_manager = LoRAManager(self.model, config.lora_config, mc.text_config, mc.dtype, self.device)
         spec = config.speculative_config
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
@@ -159,7 +164,10 @@ class ModelRunner:
                 [t for r in reqs for t in (r.token_type_ids or [0] * r.num_tokens)[r.start_pos : r.start_pos
                                                                                    + len(r.token_ids)]],
                 device=self.device)
-        hidden = self._run_model(step)
+        lora_mask = None
+        if self.lora_manager is not None:
+            lora_mask = self.lora_manager.prepare([r.lora_request for r in reqs], [len(r.token_ids) for r in reqs])
+        hidden = self._run_model(step, lora_mask)
         if hidden is not None and self.pooler_config is not None:
             self._pool(reqs, hidden, step, out)
         elif hidden is not None:
@@ -191,7 +199,7 @@ class ModelRunner:
         for i, vector in zip(done, vectors):
             out.pooler_output[i] = vector
 
-    def _run_model(self, step) -> torch.Tensor | None:
+    def _run_model(self, step, lora_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """The forward pass of this rank's layers: the hidden states of the previous pipeline stage
         come in, this stage's go out to the next one (without waiting); the last stage returns them."""
         intermediate = None
@@ -199,7 +207,7 @@ class ModelRunner:
             shape = (len(step.input_ids), self.hidden_size)
             intermediate = IntermediateTensors(self.pp.recv_prev(shape, self.config.model_config.dtype, self.device))
         extra = {"token_type_ids": step.token_type_ids} if step.token_type_ids is not None else {}
-        with set_forward_context(step.attn_metadata):
+        with set_forward_context(step.attn_metadata, lora_mask):
             hidden = self.model(step.input_ids, step.positions, intermediate, **extra)
         if self.pp.is_last_rank:
             return hidden

@@ -81,6 +81,10 @@ class Worker:
         output = self.model_runner.sample_tokens(grammar_output)
         return output if self.is_output_rank else None
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        manager = self.model_runner.lora_manager
+        return manager is not None and manager.remove(lora_int_id)
+
     def check_health(self) -> None:
         """A worker that answers is healthy; a dead one never answers (the executor notices)."""
 

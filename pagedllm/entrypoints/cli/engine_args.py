@@ -69,6 +69,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--distributed-executor-backend", default=None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="uni: one rank in the engine-core process (the default for one rank); "
                              "mp: one worker process per rank (the default for -tp > 1)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT directories) on top of the model, many in one batch")
+    parser.add_argument("--max-loras", type=int, default=d.max_loras,
+                        help="most distinct adapters in one step (default: %(default)s)")
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                        help="largest adapter rank accepted, up to 256 (default: %(default)s)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="loaded adapters kept, least recently used evicted first (default: --max-loras)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(THINK_TAGS),
                         help="the model thinks first, in <think> tags: the server returns that as "
                              "reasoning_content, and structured outputs constrain only the answer after it")

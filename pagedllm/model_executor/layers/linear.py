@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import get_tp_group
+from pagedllm.forward_context import get_lora_mask
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
+from pagedllm.model_executor.layers.lora import LinearLoRA
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
 from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
@@ -59,6 +61,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features  # this rank's
         self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
         self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py; replaces the weight
+        self.lora: LinearLoRA | None = None  # set by lora/manager.py: adapter slots added to the output
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.weight.weight_loader = default_weight_loader
         if bias:
@@ -72,10 +75,14 @@ class Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
-            return self.quant(x, bias)
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+            out = self.quant(x, bias)
+        elif self.packed is not None:
+            out = packed_linear(x, self.packed, bias)
+        else:
+            out = F.linear(x, self.weight, bias)
+        if self.lora is not None and (mask := get_lora_mask()) is not None:
+            out = self.lora.apply(x, out, mask)
+        return out
 
 
 class ColumnParallelLinear(Linear):
