@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.cli.bench_lora import add_lora_bench_args, lora_requests
 from pagedllm.entrypoints.cli.bench_pooling import add_pooling_args
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
@@ -45,6 +46,7 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--output-json", default=None)
     add_pooling_args(tp)
     _add_structured_output_arg(tp)
+    add_lora_bench_args(tp)
     tp.add_argument("--compare-unconstrained", action="store_true",
                     help="with --structured-output-json: also time the workload without the schema in the same "
                          "engine, right before")
@@ -178,7 +180,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_second": num_output / elapsed,
         "total_tokens_per_second": (num_prompt_tokens + num_output) / elapsed,
     }
-    for name in ("greedy", "unconstrained"):
+    for name in ("greedy", "unconstrained", "no_lora"):
         if hasattr(args, f"{name}_output_tokens_per_second"):
             metrics[f"{name}_output_tokens_per_second"] = getattr(args, f"{name}_output_tokens_per_second")
     return _report(metrics, [
@@ -210,8 +212,15 @@ def _run_pagedllm(
         baselines.append(("unconstrained", SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.output_len,
             ignore_eos=True, detokenize=False)))
+    if getattr(args, "compare_no_lora", False):
+        baselines.append(("no_lora", params))
+    loras = lora_requests(args, llm.llm_engine.config.model_config.text_config, len(prompts)) \
+        if getattr(args, "enable_lora", False) else None
     if params.structured_outputs is not None:  # the first grammar loads the tokenizer's tables (seconds): not timed
         llm.generate(prompts[:1], replace(params, max_tokens=1), use_tqdm=False)
+    if loras is not None:  # adapters load from disk on first use: not timed
+        llm.generate(prompts[:len(set(loras))], replace(params, max_tokens=1), use_tqdm=False,
+                     lora_request=loras[:len(set(loras))])
     for name, baseline in baselines:
         start = time.perf_counter()
         outputs = llm.generate(prompts, baseline, use_tqdm=False)
@@ -220,7 +229,7 @@ def _run_pagedllm(
         print(f"{name.capitalize()} (same engine, run first): {tps:.2f} output tokens/s")
         llm.llm_engine.reset_prefix_cache()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
     elapsed = time.perf_counter() - start
     return startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
