@@ -42,7 +42,8 @@ class ResponseBuilder:
             self.emit(event, response=self.snapshot())
 
     # ---- deltas -------------------------------------------------------------
-    def add(self, delta: DeltaMessage) -> None:
+    def add(self, delta: DeltaMessage, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """One parsed delta; `logprobs`: the output_text tokens' (OpenAI's shape), when asked for."""
         if delta.reasoning_content:
             item = self._open("reasoning")
             item["content"][0]["text"] += delta.reasoning_content
@@ -51,8 +52,9 @@ class ResponseBuilder:
         if delta.content:
             item = self._open("message")
             item["content"][0]["text"] += delta.content
+            item["content"][0]["logprobs"] += logprobs or []
             self.emit("response.output_text.delta", item_id=item["id"], output_index=self._index(),
-                      content_index=0, delta=delta.content, logprobs=[])
+                      content_index=0, delta=delta.content, logprobs=logprobs or [])
         for call in delta.tool_calls or []:
             if call.id is not None or self._call_index != call.index:
                 self._close()
@@ -102,7 +104,7 @@ class ResponseBuilder:
         else:
             part = item["content"][0]
             kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
-            extra = {"logprobs": []} if kind == "output_text" else {}
+            extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
             self.emit(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
                       text=part["text"], **extra)
             self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,

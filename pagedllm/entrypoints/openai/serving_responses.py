@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.chat_tools import tool_constraint, tool_mode
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.response_utils import DeltaTracker
+from pagedllm.entrypoints.openai.response_utils import DeltaTracker, chat_logprobs
 from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
 from pagedllm.entrypoints.openai.responses_items import (
     chat_tool_choice,
@@ -163,8 +163,10 @@ class OpenAIServingResponses:
             messages = messages[1:]  # drop the oldest turns until the prompt fits, as OpenAI's "auto" does
             text, ids = await run_blocking(render, system + messages)
         self.chat.check_length(len(ids), request.max_output_tokens, prompt_param="input")
+        wants_logprobs = "message.output_text.logprobs" in (request.include or [])
         params = self.chat.sampling_params(request, max_tokens=request.max_output_tokens,
-                                           logprobs=None, prompt_logprobs=None)
+                                           logprobs=(request.top_logprobs or 0) if wants_logprobs else None,
+                                           prompt_logprobs=None)
         own, fmt = params.structured_outputs, text_format_constraint(request.text)
         if own is not None and fmt is not None:
             raise OpenAIError("give text.format or structured_outputs, not both", param="text")
@@ -230,6 +232,8 @@ class OpenAIServingResponses:
         tracker = DeltaTracker()
         engine_id = f"{session.id}-{len(builder.events)}"
         last, reasoning_tokens = None, 0
+        top_n = request.top_logprobs or 0
+        held: list[dict[str, Any]] = []  # logprobs of tokens whose text the parsers still hold back
         try:
             async for out in self.chat.generate(prompt, params, engine_id, request):
                 last = out
@@ -238,10 +242,14 @@ class OpenAIServingResponses:
                     if d is None:
                         continue
                     delta = parser.delta(c.text[: len(c.text) - len(d.text)], c.text, d.finish_reason is not None)
+                    if d.logprobs is not None:
+                        lps = chat_logprobs(d.token_ids, d.logprobs, top_n, self.chat.tokenizer)
+                        held += lps.model_dump()["content"]
                     if delta is not None:
                         if delta.reasoning_content and not delta.content and not delta.tool_calls:
                             reasoning_tokens += len(d.token_ids)
-                        builder.add(delta)
+                        builder.add(delta, held if delta.content else None)
+                        held = []
                 session.notify()
             choice = last.outputs[0]
             usage = _usage(builder.response.get("usage"), len(last.prompt_token_ids), len(choice.token_ids),

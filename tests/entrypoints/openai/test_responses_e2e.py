@@ -101,6 +101,19 @@ def test_stream_helper_assembles_the_non_streaming_response(client):
     assert [(i.type, i.status) for i in final.output] == [(i.type, i.status) for i in resp.output]
 
 
+def test_output_text_logprobs(client):
+    kwargs = dict(model=MODEL, input="Hello", include=["message.output_text.logprobs"], top_logprobs=2, **GREEDY)
+    resp = client.responses.create(**kwargs)
+    lps = resp.output[0].content[0].logprobs
+    assert len(lps) == 12 and "".join(lp.token for lp in lps) == resp.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, round(lp.logprob, 4)) for lp in streamed] == [(lp.token, round(lp.logprob, 4)) for lp in lps]
+    plain = client.responses.create(model=MODEL, input="Hello", **GREEDY)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == resp.output_text
+
+
 def test_store_retrieve_input_items_delete(client):
     resp = client.responses.create(model=MODEL, input=[{"role": "developer", "content": "Be brief."},
                                                        {"role": "user", "content": [{"type": "input_text",
