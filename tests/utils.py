@@ -86,7 +86,14 @@ def make_tiny_model(path: str, arch: str, seed: int = 0, added_tokens: tuple[str
     if added_tokens:
         tok.add_tokens(list(added_tokens))
         tok.save_pretrained(path)
-    cfg = tiny_config(arch, len(tok), **overrides)
+    return save_tiny_model(path, tiny_config(arch, len(tok), **overrides), seed)
+
+
+def save_tiny_model(path: str, cfg, seed: int = 0) -> str:
+    """Random weights for a transformers config, saved (safetensors) next to the tokenizer
+    `build_tokenizer(path)` wrote there (its vocabulary must fit cfg.vocab_size)."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init: less flat, fewer ties
