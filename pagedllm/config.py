@@ -45,6 +45,7 @@ class ModelConfig:
     runner: str = "generate"  # or "pooling": each request's prompt is pooled into one vector
     pooler_config: PoolerConfig | None = None  # the pooling runner's
     classify: bool = False  # a pooling classifier returns its head's probabilities, not the pooled state
+    load_format: str = "auto"  # auto, safetensors, pt, gguf (converted by then) or dummy (random weights)
 
     @property
     def architecture(self) -> str:
@@ -358,13 +359,14 @@ def build_model_config(
     seed: int,
     trust_remote_code: bool,
     quantization: str | None = None,
+    hf_config_path: str | None = None,
 ) -> ModelConfig:
     """The config of a model the user named `model` whose HF-style files are at `model_path`
     (transformers_utils.model_path.resolve_model_path made them); shared by the target and a
     draft model."""
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(hf_config_path or model_path, trust_remote_code=trust_remote_code)
     text_config = hf_config.get_text_config()
     derived_max = getattr(text_config, "max_position_embeddings", None) or 2048
     if max_model_len is not None and max_model_len < 1:

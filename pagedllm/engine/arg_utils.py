@@ -31,8 +31,11 @@ from pagedllm.config import (
     parse_speculative_config,
     resolve_device,
 )
+from pagedllm.model_executor.models.registry import ModelRegistry
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
-from pagedllm.transformers_utils.model_path import resolve_model_path
+from pagedllm.transformers_utils.model_path import is_hub_id, resolve_hub_model, resolve_model_path
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 @dataclass
@@ -41,6 +44,15 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # A Hub id's revision (branch, tag or commit), where Hub downloads go (default: HF_HUB_CACHE), the
+    # tokenizer's revision, and a directory or Hub id to read config.json from instead of the model's
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer_revision: str | None = None
+    hf_config_path: str | None = None
+    # auto (safetensors, else .bin; .gguf by its suffix), safetensors, pt, gguf, or dummy: random
+    # weights of the right shapes, for profiling without the checkpoint's read
+    load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -96,11 +108,26 @@ class EngineArgs:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model
-        model_path = resolve_model_path(model)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "gguf" and model is not None and not str(model).endswith(".gguf"):
+            raise ValueError(f"load_format gguf needs a .gguf file, got {model!r}")
+        model_path = resolve_model_path(model, self.revision, self.download_dir, self.load_format)
+        hf_config_path = self.hf_config_path
+        if hf_config_path is not None and is_hub_id(hf_config_path):
+            hf_config_path = resolve_hub_model(hf_config_path, None, self.download_dir, what="config")
+        tokenizer = self.tokenizer
+        if tokenizer is not None and is_hub_id(tokenizer):
+            tokenizer = resolve_hub_model(tokenizer, self.tokenizer_revision, self.download_dir, what="tokenizer")
         model_config = build_model_config(
-            model, model_path, self.tokenizer, self.dtype, device, self.max_model_len or _st_max_len(model_path),
-            self.seed, self.trust_remote_code, self.quantization,
+            model, model_path, tokenizer, self.dtype, device, self.max_model_len or _st_max_len(model_path),
+            self.seed, self.trust_remote_code, self.quantization, hf_config_path,
         )
+        model_config.load_format = self.load_format
+        if not ModelRegistry.is_supported(model_config.architecture):
+            raise ValueError(f"model architecture {model_config.architecture!r} of {model!r} is not supported; "
+                             f"supported: {', '.join(ModelRegistry.get_supported_archs())} (or register your own "
+                             "with pagedllm.ModelRegistry.register_model)")
         if self.convert not in ("auto", "embed", "classify"):
             raise ValueError(f"convert must be auto, embed or classify, got {self.convert!r}")
         classifier = is_classifier(model_config.architecture)

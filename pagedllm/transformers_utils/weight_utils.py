@@ -25,6 +25,37 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
+def pt_files(model_dir: str) -> list[str]:
+    """PyTorch checkpoint shards: those pytorch_model.bin.index.json names, else every *.bin / *.pt file."""
+    index = os.path.join(model_dir, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt")))
+    files = [f for f in files if not os.path.basename(f).startswith(("training_args", "optimizer"))]
+    if not files:
+        raise ValueError(f"no PyTorch (*.bin, *.pt) weights found in {model_dir!r}")
+    return files
+
+
+def iterate_weights(model_dir: str, load_format: str = "auto") -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
+    """The checkpoint's tensors by load format: safetensors (auto: when there are any), else
+    PyTorch .bin / .pt files, loaded with weights_only (no code runs) and memory-mapped."""
+    use_pt = load_format == "pt" or (load_format == "auto" and not safetensors_present(model_dir))
+    if not use_pt:
+        yield from iterate_checkpoint(model_dir)
+        return
+    for path in pt_files(model_dir):
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()
+        del state
+
+
+def safetensors_present(model_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """One whole tensor at a time, in private memory (see `iterate_checkpoint`)."""
     for name, tensor in iterate_checkpoint(model_dir):

@@ -69,6 +69,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--distributed-executor-backend", default=None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="uni: one rank in the engine-core process (the default for one rank); "
                              "mp: one worker process per rank (the default for -tp > 1)")
+    parser.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
+    parser.add_argument("--download-dir", default=None,
+                        help="where Hub models are cached and downloaded (default: the Hugging Face cache)")
+    parser.add_argument("--tokenizer-revision", default=None, help="a Hub tokenizer's branch, tag or commit")
+    parser.add_argument("--hf-config-path", default=None,
+                        help="read config.json from this directory or Hub id instead of the model's")
+    parser.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "pt", "gguf", "dummy"],
+                        help="checkpoint format; dummy: random weights, to profile without reading the checkpoint")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (PEFT directories) on top of the model, many in one batch")
     parser.add_argument("--max-loras", type=int, default=d.max_loras,

@@ -13,7 +13,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
-from pagedllm.transformers_utils.weight_utils import iterate_checkpoint
+from pagedllm.transformers_utils.weight_utils import iterate_weights
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.text_config)
     finally:
         torch.set_default_dtype(prev_dtype)
-    model.load_weights(iterate_checkpoint(model_config.model_path))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(iterate_weights(model_config.model_path, model_config.load_format))
     if model_config.quantization:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
@@ -39,6 +42,16 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                 model_config.model_path, str(model_config.dtype).removeprefix("torch."),
                 model_config.quantization or "none", time.perf_counter() - start)
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
+    """--load-format dummy: small random values in every parameter (as vLLM's), seeded, so a model
+    can be profiled without reading its checkpoint."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for param in model.parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
+        param.data.copy_(values.to(param.dtype))
 
 
 def _release_freed_memory() -> None:

@@ -1,10 +1,20 @@
-"""Model classes keyed by the HF `architectures` name in config.json."""
+"""Model classes keyed by the HF `architectures` name in config.json: pagedllm's own, and those a
+user registers (`ModelRegistry.register_model`, as in vLLM) without forking the project.
+
+A registration reaches the engine-core and worker processes through the environment
+(PAGEDLLM_OOT_MODELS, a JSON map of architecture → "module:Class"), so a class must be importable
+by its module path there; one defined in a script's `__main__` works in-process only (LLM with the
+default uni executor)."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 
 from torch import nn
+
+OOT_MODELS_ENV = "PAGEDLLM_OOT_MODELS"
 
 # architecture → (module under pagedllm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -20,15 +30,68 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def get_supported_archs() -> list[str]:
-    return sorted(_MODELS)
+_OOT_CLASSES: dict[str, type[nn.Module]] = {}  # registered as classes, in this process
 
 
-def resolve_model_cls(architecture: str) -> type[nn.Module]:
-    if architecture not in _MODELS:
-        raise ValueError(
-            f"model architecture {architecture!r} is not supported; "
-            f"supported: {', '.join(get_supported_archs())}"
-        )
-    module, cls = _MODELS[architecture]
-    return getattr(importlib.import_module(f"pagedllm.model_executor.models.{module}"), cls)
+def _oot_specs() -> dict[str, str]:
+    try:
+        specs = json.loads(os.environ.get(OOT_MODELS_ENV) or "{}")
+    except ValueError:
+        return {}
+    return specs if isinstance(specs, dict) else {}
+
+
+class ModelRegistry:
+    @staticmethod
+    def register_model(architecture: str, model_cls: type[nn.Module] | str) -> None:
+        """Serve `architecture` (config.json's `architectures[0]`) with `model_cls`: a class, or
+        "module:Class". It needs pagedllm's model interface: `__init__(hf_text_config)`,
+        `forward(input_ids, positions, intermediate_tensors=None)` returning hidden states,
+        `compute_logits(hidden)` and `load_weights(weights) -> loaded names`."""
+        if isinstance(model_cls, str):
+            if ":" not in model_cls:
+                raise ValueError(f"a model class path is 'module:Class', got {model_cls!r}")
+            spec = model_cls
+        elif isinstance(model_cls, type):
+            _OOT_CLASSES[architecture] = model_cls
+            spec = f"{model_cls.__module__}:{model_cls.__qualname__}"
+        else:
+            raise ValueError(f"register_model takes a class or 'module:Class', got {type(model_cls).__name__}")
+        specs = _oot_specs()
+        specs[architecture] = spec
+        os.environ[OOT_MODELS_ENV] = json.dumps(specs)
+
+    @staticmethod
+    def get_supported_archs() -> list[str]:
+        return sorted(set(_MODELS) | set(_oot_specs()) | set(_OOT_CLASSES))
+
+    @staticmethod
+    def is_supported(architecture: str) -> bool:
+        return architecture in _MODELS or architecture in _OOT_CLASSES or architecture in _oot_specs()
+
+    @staticmethod
+    def resolve_model_cls(architecture: str) -> type[nn.Module]:
+        if architecture in _OOT_CLASSES:
+            return _OOT_CLASSES[architecture]
+        spec = _oot_specs().get(architecture)
+        if spec is not None:
+            module, _, name = spec.partition(":")
+            if module == "__main__" and architecture not in _OOT_CLASSES:
+                raise ValueError(f"model class {spec} for {architecture!r} was defined in a script's __main__, "
+                                 "which other processes cannot import: define it in a module")
+            obj = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            return obj
+        if architecture not in _MODELS:
+            raise ValueError(
+                f"model architecture {architecture!r} is not supported; "
+                f"supported: {', '.join(ModelRegistry.get_supported_archs())} "
+                "(or register your own with pagedllm.ModelRegistry.register_model)"
+            )
+        module, cls = _MODELS[architecture]
+        return getattr(importlib.import_module(f"pagedllm.model_executor.models.{module}"), cls)
+
+
+get_supported_archs = ModelRegistry.get_supported_archs
+resolve_model_cls = ModelRegistry.resolve_model_cls
