@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.engine.processor import PromptType
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class EngineClient(Protocol):
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """An async generator (`async def ... yield`) of cumulative RequestOutputs, the last
         with finished=True; closing it early aborts the request."""
@@ -63,5 +65,16 @@ class EngineClient(Protocol):
         ...
 
     async def reset_prefix_cache(self) -> bool: ...
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """None when the engine runs without --enable-lora."""
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError saying what is wrong); whether it is new."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool: ...
 
     def shutdown(self) -> None: ...

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.protocol import EngineClient
 
-COROUTINES = ("abort", "check_health", "get_stats", "get_engine_stats", "reset_prefix_cache")
+COROUTINES = ("abort", "check_health", "get_stats", "get_engine_stats", "reset_prefix_cache", "add_lora",
+              "remove_lora")
 
 
 def _bare_engine() -> AsyncLLM:
@@ -19,6 +20,7 @@ def _bare_engine() -> AsyncLLM:
     engine.client = SimpleNamespace(dead=False)
     engine.clients = [engine.client]
     engine.tokenizer = object()
+    engine.config = SimpleNamespace(lora_config=None)
     return engine
 
 

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.server_config import (
     DEFAULT_MAX_TOOL_OUTPUT_BYTES,
     MAX_PARALLEL_TOOL_CALLS,
     ServerConfig,
+    parse_lora_module,
 )
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ def add_serve_parser(subparsers) -> None:
                    help="with --api-key, leave /metrics open for scrapers (default: it needs the key too)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; default: the model argument")
+    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served from the start, each a model name clients may "
+                        "use: name=path or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                        "needs --enable-lora")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template, as a file path or inline text (read once at start)")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -121,7 +126,9 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         mc = engine.model_config
         names = ", ".join(config.served_model_names or [mc.model or mc.model_path])
-        started = await serve_http(build_app(engine, config), config, sock, names, start)
+        app = build_app(engine, config)
+        await app.state.models.init_static_loras()  # a bad adapter stops the start with its message
+        started = await serve_http(app, config, sock, names, start)
         return 0 if started else 1
     finally:
         engine.shutdown()

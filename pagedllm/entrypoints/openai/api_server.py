@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,6 +55,12 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_conversations import OpenAIServingConversations
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
+from pagedllm.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingModels,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_stored_responses import OpenAIServingStoredResponses
@@ -116,20 +123,30 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The server for one engine (an AsyncLLM), configured by `config`."""
     model_config = engine.model_config
     names = list(config.served_model_names) or [model_config.model or model_config.model_path]
+    models = OpenAIServingModels(engine, names, config.lora_modules)
     metrics = ServerMetrics(names[0])
-    chat = OpenAIServingChat(engine, names, metrics, config)
-    completion = OpenAIServingCompletion(engine, names, metrics)
+    lora_config = getattr(engine, "lora_config", None)
+    if lora_config is not None:
+        metrics.enable_lora(lora_config.max_loras, lambda: list(models.lora_requests))
+    chat = OpenAIServingChat(engine, models, metrics, config)
+    completion = OpenAIServingCompletion(engine, models, metrics)
     tokenization = OpenAIServingTokenization(chat)
-    embedding = OpenAIServingEmbedding(engine, names, metrics)
-    scoring = OpenAIServingScore(engine, names, metrics)
+    embedding = OpenAIServingEmbedding(engine, models, metrics)
+    scoring = OpenAIServingScore(engine, models, metrics)
     store = None if config.disable_responses_store else make_response_store(
         config.responses_store, config.responses_store_max_entries, config.responses_store_ttl)
     created = OpenAIServingResponses(chat, ResponseRegistry(store, config.responses_store_ttl),
                                      store_enabled=store is not None)
 
-    app = FastAPI(title="pagedllm", version=__version__)
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await models.init_static_loras()  # a no-op when `pagedllm serve` did it before binding uvicorn
+        yield
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.models = models
     app.state.response_store = store
 
     @app.post("/v1/chat/completions", responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 503,
@@ -177,20 +194,31 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     add_responses_routes(app, created, OpenAIServingStoredResponses(created, config.max_tool_output_bytes),
                          OpenAIServingConversations(store), _serve)
 
-    def model_card(name: str) -> ModelCard:
-        # root: the model as the operator named it (vLLM's), never the resolved path on this machine
-        return ModelCard(id=name, root=model_config.model or names[0], max_model_len=model_config.max_model_len)
-
     @app.get("/v1/models", responses=responses(ModelList, 401))
     async def show_models() -> Response:
-        return JSONResponse(ModelList(data=[model_card(name) for name in names]).model_dump())
+        return JSONResponse(models.model_cards().model_dump())
 
     # `:path`: a served name may hold slashes ("org/name"), as the openai SDK sends it.
     @app.get("/v1/models/{model_id:path}", responses=responses(ModelCard, 401, 404))
     async def show_model(model_id: str) -> Response:
-        if model_id not in names:
-            return OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model").to_response()
-        return JSONResponse(model_card(model_id).model_dump())
+        async def work() -> Response:
+            return JSONResponse(models.model_card(model_id).model_dump())
+        return await _serve(work())
+
+    if lora_config is not None and runtime_lora_updating_allowed():
+        @app.post("/v1/load_lora_adapter", response_class=Response,
+                  responses=responses(None, 400, 401, 413, 503, text=True))
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            async def work() -> Response:
+                return PlainTextResponse(await models.load_lora_adapter(request))
+            return await _serve(work())
+
+        @app.post("/v1/unload_lora_adapter", response_class=Response,
+                  responses=responses(None, 400, 401, 404, 413, 503, text=True))
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            async def work() -> Response:
+                return PlainTextResponse(await models.unload_lora_adapter(request))
+            return await _serve(work())
 
     if config.enable_tokenizer_info_endpoint:  # off by default, as in vLLM
         @app.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, 401))

@@ -6,12 +6,14 @@ finish reasons) are computed in the front from the RequestOutputs it streams; en
 numbers (queue sizes, KV usage, prefix cache, preemptions) are pulled from
 `engine.get_engine_stats()` at scrape time, cumulative engine counters turned into deltas; they
 carry an `engine` label (the data-parallel rank), as vLLM's do, so `sum by (model_name)` is the total.
+With LoRA on, requests per adapter (all engine cores together) come from the same stats.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -73,6 +75,22 @@ class ServerMetrics:
                               _TPOT_BUCKETS)
         self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self._last_engine: dict[tuple[str, str], float] = {}
+        self._max_loras: int | None = None  # None: LoRA off, no LoRA metrics
+        self._lora_names: Callable[[], Iterable[str]] = list
+        self._lora_seen: set[str] = set()
+
+    def enable_lora(self, max_loras: int, adapter_names: Callable[[], Iterable[str]]) -> None:
+        """Export the LoRA gauges; `adapter_names` lists the served adapters, which read 0 until used."""
+        r = self.registry
+        self._max_loras = max_loras
+        self._lora_names = adapter_names
+        self.lora_info = Gauge("pagedllm:lora_requests_info", "Running and waiting LoRA adapters (comma-separated "
+                               "names); the value is the time of the last scrape.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_running = Gauge("pagedllm:lora_requests_running", "Running requests per LoRA adapter.",
+                                  ["model_name", "lora_name"], registry=r)
+        self.lora_waiting = Gauge("pagedllm:lora_requests_waiting", "Waiting requests per LoRA adapter.",
+                                  ["model_name", "lora_name"], registry=r)
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
@@ -94,6 +112,25 @@ class ServerMetrics:
             return
         for index, stats in enumerate(per_engine):
             self._refresh_engine(str(index), stats)
+        if self._max_loras is not None:
+            self._refresh_lora(per_engine)
+
+    def _refresh_lora(self, per_engine: list[dict[str, float]]) -> None:
+        counts: dict[str, dict[str, float]] = {"lora_running": {}, "lora_waiting": {}}
+        for stats in per_engine:
+            for key, value in stats.items():
+                kind, sep, name = key.partition(":")
+                if sep and kind in counts:
+                    counts[kind][name] = counts[kind].get(name, 0.0) + float(value)
+        # Every name once exported stays, reading 0 when it has no requests, rather than a stale count.
+        self._lora_seen.update(self._lora_names(), counts["lora_running"], counts["lora_waiting"])
+        for name in self._lora_seen:
+            self.lora_running.labels(self.model_name, name).set(counts["lora_running"].get(name, 0.0))
+            self.lora_waiting.labels(self.model_name, name).set(counts["lora_waiting"].get(name, 0.0))
+        running = ",".join(sorted(n for n, v in counts["lora_running"].items() if v > 0))
+        waiting = ",".join(sorted(n for n, v in counts["lora_waiting"].items() if v > 0))
+        self.lora_info.clear()  # one series: the label values change with the adapters in use
+        self.lora_info.labels(str(self._max_loras), running, waiting).set_to_current_time()
 
     def _refresh_engine(self, engine: str, stats: dict[str, float]) -> None:
         labels = (self.model_name, engine)

@@ -7,12 +7,45 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_PARALLEL_TOOL_CALLS = 8
 DEFAULT_MAX_TOOL_OUTPUT_BYTES = 1024 * 1024
+
+
+@dataclass(slots=True, frozen=True)
+class LoRAModulePath:
+    """A LoRA adapter served from the start (`--lora-modules`): clients name it as a model."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # the model card's parent; default: the first served name
+
+
+def parse_lora_module(value: str) -> LoRAModulePath:
+    """One `--lora-modules` value: `name=path`, or vLLM's JSON object
+    `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules {value!r}: invalid JSON: {e}") from None
+        if not isinstance(spec, dict) or set(spec) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules {value!r}: a JSON object takes only the keys name, path, base_model_name")
+        name, path, base = spec.get("name"), spec.get("path"), spec.get("base_model_name")
+        if not all(isinstance(v, str) and v for v in (name, path)) or not isinstance(base, (str, type(None))):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules {value!r}: name and path must be non-empty strings, base_model_name a string")
+        return LoRAModulePath(name, path, base or None)
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--lora-modules {value!r}: expected name=path or a JSON object")
+    return LoRAModulePath(name.strip(), path.strip())
 
 
 @dataclass(slots=True)
@@ -31,6 +64,7 @@ class ServerConfig:
     metrics_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # each space- or comma-separated, or a JSON list
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # registered with the engine at start (needs --enable-lora)
     # the Responses and Conversations APIs
     responses_store: str | None = None  # None or "memory": in this process; "sqlite:///file.db": on disk
     responses_store_max_entries: int = 1000
@@ -51,4 +85,7 @@ class ServerConfig:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values["served_model_names"] = tuple(args.served_model_name or ())
         values["allowed_origins"] = tuple(args.allowed_origins or ())
+        values["lora_modules"] = tuple(getattr(args, "lora_modules", None) or ())
+        if values["lora_modules"] and not getattr(args, "enable_lora", False):
+            raise ValueError("--lora-modules needs --enable-lora")
         return cls(**values)

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.response_utils import (
 )
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -56,14 +57,14 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics | None,
+        self, engine: EngineClient, models: OpenAIServingModels | list[str], metrics: ServerMetrics | None,
         config: ServerConfig,
     ) -> None:
         chat_template, tool_call_parser = config.chat_template, config.tool_call_parser
         enable_auto_tool_choice = config.enable_auto_tool_choice
         max_parallel_tool_calls = config.max_parallel_tool_calls
         tool_choice_auto_grammar, reasoning_parser = config.tool_choice_auto_grammar, config.reasoning_parser
-        super().__init__(engine, served_model_names, metrics)
+        super().__init__(engine, models, metrics)
         self.trust_request_chat_template = config.trust_request_chat_template
         # --chat-template is read once at startup, so a bad path fails there and not per request.
         self.chat_template = resolve_chat_template(self.tokenizer, chat_template) if chat_template else None

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -62,9 +63,9 @@ def _echo_only(request: CompletionRequest) -> bool:
 
 class OpenAIServingCompletion(OpenAIServing):
     def __init__(
-        self, engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics | None = None
+        self, engine: EngineClient, models: OpenAIServingModels | list[str], metrics: ServerMetrics | None = None
     ) -> None:
-        super().__init__(engine, served_model_names, metrics)
+        super().__init__(engine, models, metrics)
         self.special_ids = special_token_ids(self.tokenizer)  # see completion_logprobs_with_end
 
     def _prompts(self, request: CompletionRequest) -> list[_Prompt]:

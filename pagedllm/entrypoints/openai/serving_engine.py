@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
@@ -21,6 +21,9 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,8 +114,14 @@ def _generation_defaults(model_path: str) -> dict[str, Any]:
 
 class OpenAIServing:
     def __init__(
-        self, engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics | None = None
+        self, engine: EngineClient, models: OpenAIServingModels | list[str], metrics: ServerMetrics | None = None
     ) -> None:
+        """`models`: the server's shared registry of names (base and LoRA), or just base names."""
+        if isinstance(models, list):
+            from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+            models = OpenAIServingModels(engine, models)
+        self.models = models
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
         self.model_config = engine.model_config
@@ -120,7 +129,7 @@ class OpenAIServing:
         self.vocab_size = _vocab_size(engine.model_config, self.tokenizer)
         # Normalisation may shrink text (NFKC, whitespace): a 4x margin on the bound.
         self.max_prompt_chars = 4 * (self.max_model_len + 16) * max_chars_per_token(self.tokenizer)
-        self.served_model_names = served_model_names
+        self.served_model_names = models.base_model_names
         self.metrics = metrics
         self.default_sampling = _generation_defaults(getattr(engine.model_config, "model_path", ""))
         if self.default_sampling:
@@ -134,12 +143,8 @@ class OpenAIServing:
                               param="model")
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; an unknown name is a 404 as in OpenAI's API."""
-        if requested is None or requested == "":
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise OpenAIError(f"The model `{requested}` does not exist.", 404, param="model")
-        return requested
+        """The name to answer with (a LoRA adapter's too); an unknown name is a 404 as in OpenAI's API."""
+        return self.models.model_name(requested)
 
     def check_length(self, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt") -> None:
         """Prompt plus completion must fit max_model_len; caught here, with a clear message."""
@@ -251,8 +256,9 @@ class OpenAIServing:
         tracker = self.metrics.track() if self.metrics is not None else None
         if self.engine.errored:
             raise EngineDeadError()
+        lora_request = self.models.lora_request(request.model)
         gen = self.engine.generate(prompt, params, request_id, priority=request.priority,
-                                   cache_salt=request.cache_salt)
+                                   cache_salt=request.cache_salt, lora_request=lora_request)
         finished = rejected = started = False
         try:
             try:

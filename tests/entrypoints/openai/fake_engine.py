@@ -1,12 +1,16 @@
 """A scripted stand-in for AsyncLLM (an EngineClient), so the HTTP layer is tested without an
-engine process: each choice of a request emits the words " w0", " w1", ... one per step."""
+engine process: each choice of a request emits the words " w0", " w1", ... one per step.
+With `lora_config` set, adapters are checked as the engine would: a path holding no
+adapter_config.json is a ValueError."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from types import SimpleNamespace
 
+from pagedllm.config import LoRAConfig
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -16,7 +20,8 @@ VOCAB = 384
 
 
 class FakeEngine:
-    def __init__(self, tokenizer, model_path: str, step_delay: float = 0.0) -> None:
+    def __init__(self, tokenizer, model_path: str, step_delay: float = 0.0,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(max_model_len=MAX_MODEL_LEN, model="fake-model", model_path=model_path)
         self.step_delay = step_delay
@@ -24,6 +29,9 @@ class FakeEngine:
         self.live: set[str] = set()
         self.aborted: list[str] = []
         self.calls: list[tuple] = []
+        self.lora_config = lora_config
+        self.loras: dict[int, object] = {}  # added adapters by lora_int_id
+        self.removed_loras: list[int] = []
 
     @property
     def is_running(self) -> bool:
@@ -36,13 +44,15 @@ class FakeEngine:
         raise ValueError("this model runs --runner generate")
         yield  # an async generator, as AsyncLLM.encode
 
-    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None):
+    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None, lora_request=None):
         if self.errored:
             raise EngineDeadError()
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         if any(t >= VOCAB for t in ids):
             raise ValueError(f"prompt token ids out of vocabulary (size {VOCAB})")
-        self.calls.append((prompt, sampling_params, request_id, priority, cache_salt))
+        if lora_request is not None:
+            await self.add_lora(lora_request)
+        self.calls.append((prompt, sampling_params, request_id, priority, cache_salt, lora_request))
         self.live.add(request_id)
         metrics = RequestMetrics(arrival_time=time.time())
         finished = False
@@ -87,12 +97,33 @@ class FakeEngine:
     async def reset_prefix_cache(self) -> bool:
         return True
 
+    async def add_lora(self, lora_request) -> bool:
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        if lora_request.lora_int_id in self.loras:
+            return False
+        if not os.path.isfile(os.path.join(lora_request.lora_path, "adapter_config.json")):
+            raise ValueError(f"LoRA adapter {lora_request.lora_path!r}: no adapter_config.json in it")
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        self.removed_loras.append(lora_int_id)
+        return self.loras.pop(lora_int_id, None) is not None
+
     async def get_stats(self) -> dict:
         if self.errored:
             raise EngineDeadError()
-        return {"num_running": len(self.live), "num_waiting": 0, "kv_cache_usage": 0.25 * bool(self.live),
-                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
-                "num_preemptions": 1}
+        stats = {"num_running": len(self.live), "num_waiting": 0, "kv_cache_usage": 0.25 * bool(self.live),
+                 "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
+                 "num_preemptions": 1}
+        if self.lora_config is not None:
+            for call in self.calls:
+                request_id, lora = call[2], call[5]
+                if lora is not None and request_id in self.live:
+                    key = f"lora_running:{lora.lora_name}"
+                    stats[key] = stats.get(key, 0) + 1
+        return stats
 
     async def get_engine_stats(self) -> list[dict]:
         return [await self.get_stats()]

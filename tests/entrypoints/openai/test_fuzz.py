@@ -35,7 +35,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama, tmp_path_factory):
-    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--max-model-len", str(MAX_MODEL_LEN)))
+    # LoRA on, with the runtime adapter routes, so that they are documented and fuzzed too.
+    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--max-model-len", str(MAX_MODEL_LEN), "--enable-lora"),
+                      env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 
 @pytest.fixture(scope="module")

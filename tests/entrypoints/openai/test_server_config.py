@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.cli.main import build_parser
-from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.server_config import LoRAModulePath, ServerConfig
 
 
 def test_cli_defaults_are_the_config_defaults():
@@ -24,7 +24,7 @@ def test_every_server_flag_reaches_the_config():
         "--tool-call-parser", "mistral", "--tool-choice-auto-grammar", "--max-parallel-tool-calls", "2",
         "--reasoning-parser", "qwen3", "--uvicorn-log-level", "warning", "--enable-tokenizer-info-endpoint",
         "--responses-store", "sqlite:///r.db", "--responses-store-max-entries", "5", "--responses-store-ttl", "60",
-        "--disable-responses-store", "--max-tool-output-bytes", "99"])
+        "--disable-responses-store", "--max-tool-output-bytes", "99", "--enable-lora", "--lora-modules", "a=/p"])
     config = ServerConfig.from_namespace(args)
     assert config == ServerConfig(
         served_model_names=("a", "b"), chat_template="t.jinja", trust_request_chat_template=True,
@@ -32,7 +32,8 @@ def test_every_server_flag_reaches_the_config():
         max_parallel_tool_calls=2, reasoning_parser="qwen3", max_request_body_bytes=100, api_key="k",
         metrics_no_auth=True, allowed_origins=("http://x", "http://y"), enable_tokenizer_info_endpoint=True,
         responses_store="sqlite:///r.db", responses_store_max_entries=5, responses_store_ttl=60.0,
-        disable_responses_store=True, max_tool_output_bytes=99, host="127.0.0.1", port=9,
+        disable_responses_store=True, max_tool_output_bytes=99, lora_modules=(LoRAModulePath("a", "/p"),),
+        host="127.0.0.1", port=9,
         limit_concurrency=7, header_timeout=2.5, timeout_keep_alive=3, uvicorn_log_level="warning")
     changed = {f.name for f in dataclasses.fields(ServerConfig)
                if getattr(config, f.name) != getattr(ServerConfig(), f.name)}
