@@ -210,8 +210,8 @@ def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: boo
 
 
 def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
-    """That the model's heads and MLP split evenly over `tp` ranks: query heads and the MLP's
-    intermediate size divide by tp; kv heads divide by tp, or tp by them (each kv head is then
+    """That the model's heads and MLP split evenly over `tp` ranks: query heads and the MLP's (and
+    experts') intermediate size divide by tp; kv heads divide by tp, or tp by them (each kv head is then
     replicated on tp / num_kv_heads ranks). The vocabulary is padded, so any size splits."""
     if tp == 1:
         return
@@ -223,9 +223,10 @@ def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
         raise ValueError(f"{what}: num_attention_heads={heads} is not divisible by {tp}")
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"{what}: num_key_value_heads={kv_heads} and {tp} do not divide one another")
-    inter = getattr(text, "intermediate_size", None)
-    if inter is not None and inter % tp:
-        raise ValueError(f"{what}: intermediate_size={inter} is not divisible by {tp}")
+    for key in ("intermediate_size", "moe_intermediate_size"):  # the MLP's, the experts'
+        inter = getattr(text, key, None)
+        if inter is not None and inter % tp:
+            raise ValueError(f"{what}: {key}={inter} is not divisible by {tp}")
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ parallel layers (layers/linear.py, layers/vocab_embedding.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,11 +93,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,14 +108,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+    """`make_mlp(layer_idx)`, when given, builds each layer's feed-forward block (the MoE models')."""
+
+    def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False,
+                 make_mlp: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         inv_freq, scaling = compute_inv_freq(config, head_dim_of(config))
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm))
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None))
         self.norm = on_stage(False, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -137,7 +143,11 @@ class _LlamaHost(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, self.make_mlp)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block: the dense MLP here; experts in the MoE models."""
+        return LlamaMLP(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

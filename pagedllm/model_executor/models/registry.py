@@ -27,6 +27,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -52,8 +52,11 @@ PACKED_MODULES: dict[str, tuple[str, str | int]] = {
 }
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy checkpoint tensors into the model; every parameter must be covered."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 route: Callable[[str], tuple[str, tuple] | None] | None = None) -> set[str]:
+    """Copy checkpoint tensors into the model; every parameter must be covered. `route(name)`, when
+    given, may name the parameter a tensor goes to and its loader's extra arguments (experts)
+    before the packed-module mapping is tried."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     elsewhere = _missing_prefixes(model)  # modules of other pipeline stages
@@ -70,20 +73,20 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue  # tied embeddings: the checkpoint may still carry a copy
         if name.startswith(elsewhere):
             continue
-        parts = name.split(".")
-        shard_id = None
-        if len(parts) >= 2 and parts[-2] in packed:
-            target, shard_id = packed[parts[-2]]
-            parts[-2] = target
-        pname = ".".join(parts)
+        routed = route(name) if route is not None else None
+        if routed is not None:
+            pname, args = routed
+        else:
+            parts = name.split(".")
+            args = ()
+            if len(parts) >= 2 and parts[-2] in packed:
+                target, shard_id = packed[parts[-2]]
+                parts[-2], args = target, (shard_id,)
+            pname = ".".join(parts)
         param = params.get(pname)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard_id is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard_id)
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, *args)
         loaded.add(pname)
     missing = set(params) - loaded
     if missing:
