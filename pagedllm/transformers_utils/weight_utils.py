@@ -112,6 +112,18 @@ class CheckpointTensor:
         parts = [self._read(r * row + start * inner, length * inner) for r in range(rows)]
         return torch.cat(parts).view(*self.shape[:dim], length, *self.shape[dim + 1 :])
 
+    def rows(self, start: int, length: int) -> CheckpointTensor:
+        """Rows [start, start + length) as a CheckpointTensor of their own, still unread (a fused
+        checkpoint tensor split into the parts that load separately)."""
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise IndexError(f"rows [{start}, {start + length}) of a tensor with {self.shape[0]}")
+        part = object.__new__(CheckpointTensor)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        part._raw, part.dtype = self._raw, self.dtype
+        part._offset = self._offset + start * self.shape[1:].numel() * itemsize
+        part.shape = torch.Size((length, *self.shape[1:]))
+        return part
+
     def __getitem__(self, index: slice) -> torch.Tensor:
         start, stop, step = index.indices(self.shape[0])
         if step != 1:

@@ -1,4 +1,4 @@
-"""RMSNorm in the two flavours the supported models use.
+"""RMSNorm in the two flavours the supported models use, and LayerNorm with a bias (StarCoder2).
 
 On CPU both run pagedllm's C kernel (one pass per row, float32 inside); F.rms_norm is ~7 aten
 ops there, and a decode step makes 6 norm calls per layer."""
@@ -72,3 +72,17 @@ class GemmaRMSNorm(nn.Module):
             return cpu_kernels.rms_norm(x, scale, self.eps, gemma=True, residual=residual)
         out = F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
         return out if residual is None else residual + out
+
+
+class LayerNorm(nn.Module):
+    """Mean-centred norm with weight and bias (nn.LayerNorm's checkpoint names), in the input dtype as
+    transformers' nn.LayerNorm runs it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import torch
@@ -9,12 +11,17 @@ from torch import nn
 
 from pagedllm.model_executor.layers import cpu_kernels
 
+logger = logging.getLogger(__name__)
 
-def compute_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+
+def compute_inv_freq(
+    config: Any, head_dim: int, layer_type: str | None = None, max_model_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's rope type.
 
     Non-default types (linear, llama3, yarn, ...) use transformers' own init functions,
-    so their formulas are exactly the reference's.
+    so their formulas are exactly the reference's; LongRoPE's factor set depends on
+    `max_model_len` (see `longrope_inv_freq`).
     """
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type is not None and layer_type in params:
@@ -25,6 +32,8 @@ def compute_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) 
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv_freq, 1.0
+    if rope_type in ("longrope", "su"):
+        return longrope_inv_freq(config, params, head_dim, max_model_len)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -32,6 +41,38 @@ def compute_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) 
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq.float(), float(scaling)
+
+
+def longrope_inv_freq(
+    config: Any, params: dict, head_dim: int, max_model_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's "longrope" / "su"): each frequency divided by its own factor, from the short
+    set for contexts up to original_max_position_embeddings, the long set beyond; cos/sin scaled by
+    the attention factor, sqrt(1 + ln(s) / ln(original)) for s = max_position / original unless set.
+
+    One set serves every position, the long one iff max_model_len exceeds the original length: keys
+    stay in the KV cache (and the prefix cache) under the set they were rotated with, so a switch
+    within a sequence would mix the two. transformers instead recomputes a whole sequence with the
+    long set once it grows past the original length; the two agree on every sequence when
+    max_model_len <= original, and on prompts longer than original otherwise.
+    Without max_model_len: the short set, as transformers starts."""
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None) or config.max_position_embeddings
+    scale = params.get("factor") or config.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    which = "long_factor" if max_model_len is not None and max_model_len > original else "short_factor"
+    if max_model_len is not None:
+        logger.info("LongRoPE: the %s set for max_model_len %d (original_max_position_embeddings %d)",
+                    which, max_model_len, original)
+    factors = torch.tensor(params[which], dtype=torch.float32)
+    if factors.numel() != dim // 2:
+        raise ValueError(f"rope {which} has {factors.numel()} entries; the rotary dimension {dim} needs {dim // 2}")
+    inv_freq = 1.0 / (factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention)
 
 
 class RotaryEmbedding(nn.Module):

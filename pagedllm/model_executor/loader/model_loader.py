@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import inspect
 import logging
 import time
 
@@ -24,8 +25,11 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
+        # The engine's context length, for the models whose rotary tables depend on it (LongRoPE).
+        takes_len = "max_model_len" in inspect.signature(model_cls).parameters
+        kwargs = {"max_model_len": model_config.max_model_len} if takes_len else {}
         with torch.device(device):
-            model = model_cls(model_config.text_config)
+            model = model_cls(model_config.text_config, **kwargs)
     finally:
         torch.set_default_dtype(prev_dtype)
     if model_config.load_format == "dummy":

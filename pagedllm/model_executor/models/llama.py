@@ -110,40 +110,49 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """`make_mlp(layer_idx)`, when given, builds each layer's feed-forward block (the MoE models')."""
 
-    def __init__(self, config: Any, qkv_bias: bool = False, qk_norm: bool = False,
-                 make_mlp: Callable[[int], nn.Module] | None = None) -> None:
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # variants (Granite) swap in their own
+
+    def __init__(
+        self, config: Any, qkv_bias: bool = False, qk_norm: bool = False, max_model_len: int | None = None,
+        make_mlp: Callable[[int], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
-        inv_freq, scaling = compute_inv_freq(config, head_dim_of(config))
+        inv_freq, scaling = compute_inv_freq(config, head_dim_of(config), max_model_len=max_model_len)
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        layer_cls = self.decoder_layer_cls
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
-            lambda i: LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None))
+            lambda i: layer_cls(config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None))
         self.norm = on_stage(False, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """Hidden states after the norm; on a pipeline stage before the last, its layers' output."""
-        hidden = self.embed_tokens(input_ids) if intermediate_tensors is None else intermediate_tensors.hidden_states
+        hidden = self.embed(input_ids) if intermediate_tensors is None else intermediate_tensors.hidden_states
         for i in range(self.start_layer, self.end_layer):
             hidden = self.layers[i](positions, hidden)
         if isinstance(self.norm, PPMissingLayer):
             return IntermediateTensors(hidden)
         return self.norm(hidden)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
 
 class _LlamaHost(nn.Module):
     """A Llama decoder under a task head: the weights, forward pass and loading they share."""
 
     packed_modules_mapping = PACKED_MODULES
+    model_cls: type[LlamaModel] = LlamaModel
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, self.make_mlp)
+        self.model = self.model_cls(config, self.qkv_bias, self.qk_norm, max_model_len, self.make_mlp)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block: the dense MLP here; experts in the MoE models."""
@@ -158,8 +167,8 @@ class _LlamaHost(nn.Module):
 
 
 class LlamaForCausalLM(_LlamaHost):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+        super().__init__(config, max_model_len)
         embed = self.model.embed_tokens
         tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
         self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
@@ -176,8 +185,8 @@ class LlamaForSequenceClassification(_LlamaHost):
     """The decoder with a linear `score` head instead of the LM head: the runner's LAST pooling
     (the prompt's last token) feeds `classify`, which returns the logits."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+        super().__init__(config, max_model_len)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

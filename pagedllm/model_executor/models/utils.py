@@ -3,7 +3,7 @@ models share for pipeline parallelism (a stage builds only its layers)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.distributed import get_pp_group, get_pp_indices
 from pagedllm.model_executor.layers.linear import default_weight_loader
+from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
 
 @dataclass(slots=True)
@@ -50,6 +51,28 @@ PACKED_MODULES: dict[str, tuple[str, str | int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+def split_fused(
+    weights: Iterable[tuple[str, torch.Tensor]], fused: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with each fused one (sub-module name → its parts' names and row counts,
+    e.g. "qkv_proj" → q/k/v) cut into its parts, renamed as if stored apart: each part then goes
+    through PACKED_MODULES to its shard's loader, which takes the rank's slice of it as usual. A
+    CheckpointTensor is cut unread, so a rank reads only its rows."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in fused:
+            yield name, tensor
+            continue
+        names, sizes = fused[parts[-2]]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {' + '.join(map(str, sizes))}")
+        start = 0
+        for part, size in zip(names, sizes):
+            rows = tensor.rows(start, size) if isinstance(tensor, CheckpointTensor) else tensor[start : start + size]
+            yield ".".join(parts[:-2] + [part, parts[-1]]), rows
+            start += size
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
