@@ -79,7 +79,6 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
 def make_tiny_model(path: str, arch: str, seed: int = 0, added_tokens: tuple[str, ...] = (), **overrides) -> str:
     """Save a random-weight model + tokenizer to `path`; returns `path`. `added_tokens` (e.g.
     a reasoning model's "<think>", "</think>") become single tokens of the vocabulary."""
-    from transformers import AutoModelForCausalLM
 
     os.makedirs(path, exist_ok=True)
     tok = build_tokenizer(path)

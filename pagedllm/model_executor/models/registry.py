@@ -17,6 +17,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 
