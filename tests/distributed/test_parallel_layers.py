@@ -115,6 +115,43 @@ def check_qkv_replicated_kv_head(rank: int) -> None:
     _check_qkv(rank, num_heads=4, num_kv_heads=1)
 
 
+def check_fused_qkv_checkpoint_tensors(rank: int) -> None:
+    """GPT-2's c_attn (q | k | v stacked, stored [in, out]) and GPT-NeoX's query_key_value
+    (interleaved per head, [heads, 3, head_dim]): each rank keeps its heads of q, k and v."""
+    from pagedllm.model_executor.layers.linear import QKVParallelLinear, fused_qkv_loader, transposed_loader
+
+    heads, d, hidden = 4, 4, 16
+    ws = [_rand(heads * d, hidden, seed=s) for s in (30, 31, 32)]
+    bs = [_rand(heads * d, seed=s) for s in (33, 34, 35)]
+    x = _rand(3, hidden, seed=36)
+    cols = slice(rank * 2 * d, (rank + 1) * 2 * d)  # this rank's two heads
+    expected = torch.cat([F.linear(x, w, b)[:, cols] for w, b in zip(ws, bs)], dim=-1)
+    stacked = (torch.cat(ws).t().contiguous(), torch.cat(bs))
+    interleaved = (torch.stack([w.view(heads, d, hidden) for w in ws], 1).reshape(-1, hidden),
+                   torch.stack([b.view(heads, d) for b in bs], 1).reshape(-1))
+    for is_interleaved, (w, b) in ((False, stacked), (True, interleaved)):
+        layer = QKVParallelLinear(hidden, d, heads, heads, bias=True)
+        load = fused_qkv_loader(layer, interleaved=is_interleaved)
+        (load if is_interleaved else transposed_loader(load))(layer.weight, w)
+        load(layer.bias, b)
+        with torch.no_grad():
+            _close(layer(x), expected)
+
+
+def check_transposed_column_then_row(rank: int) -> None:
+    """GPT-2's MLP: c_fc and c_proj stored [in, out], column- then row-split."""
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, transposed_loader
+
+    w1, b1, w2, b2, x = _rand(8, 16, seed=37), _rand(8, seed=38), _rand(16, 8, seed=39), _rand(16, seed=40), \
+        _rand(3, 16, seed=41)
+    fc, proj = ColumnParallelLinear(16, 8, bias=True), RowParallelLinear(8, 16, bias=True)
+    for layer, w, b in ((fc, w1, b1), (proj, w2, b2)):
+        transposed_loader(layer.weight.weight_loader)(layer.weight, w.t().contiguous())
+        layer.bias.weight_loader(layer.bias, b)
+    with torch.no_grad():
+        _close(proj(F.gelu(fc(x))), F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2))
+
+
 def check_vocab_embedding_padded(rank: int) -> None:
     """11 ids over 2 ranks: 6 rows each, the last of rank 1 padding."""
     from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding

@@ -1,6 +1,6 @@
 """Gated activations: act(gate) * up on a merged [gate | up] projection; on CPU one pass of
-pagedllm's C kernel (torch: a chunk, the activation and a multiply, ~3x slower at batch 64).
-`get_act_fn`: the plain activations of non-gated MLPs (StarCoder2's c_fc → act → c_proj)."""
+pagedllm's C kernel (torch: a chunk, the activation and a multiply, ~3x slower at batch 64); and the
+plain ones of ungated MLPs (OPT, GPT-2, GPT-NeoX, StarCoder2)."""
 
 from __future__ import annotations
 
@@ -41,18 +41,28 @@ def get_act_and_mul(name: str) -> nn.Module:
     return _ACTIVATIONS[name]()
 
 
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+# Ungated activations by their HF config names (`hidden_act`, `activation_function`). gelu_new and
+# gelu_fast are the tanh approximation written out; F.gelu(approximate="tanh") computes the same.
 _PLAIN_ACTIVATIONS = {
-    "gelu": lambda: nn.GELU(),
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_fast": lambda: nn.GELU(approximate="tanh"),
     "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
-    "silu": lambda: nn.SiLU(),
-    "swish": lambda: nn.SiLU(),
-    "relu": lambda: nn.ReLU(),
+    "quick_gelu": QuickGELU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
 }
 
 
 def get_act_fn(name: str) -> nn.Module:
-    """An elementwise activation by its transformers name (`hidden_act`)."""
+    """An ungated activation (MLPs of the form fc2(act(fc1(x)))), by its HF config name."""
     if name not in _PLAIN_ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; known: {sorted(_PLAIN_ACTIVATIONS)}")
     return _PLAIN_ACTIVATIONS[name]()

@@ -12,6 +12,9 @@ ranks (`get_tp_group()`; one rank unless the worker set up a group).
 
 Every `weight_loader` takes the full checkpoint tensor and copies the rank's slice of it, so
 the post-load transforms (loader/quantize.py, loader/cpu_pack.py) see only the rank's shard.
+Checkpoints laid out otherwise get wrapping loaders that hand the usual ones [out, in] tensors:
+`transposed_loader` (GPT-2's Conv1D, [in, out]) and `fused_qkv_loader` (one q/k/v tensor,
+stacked or interleaved per head).
 At one rank these are the plain layers (`MergedLinear`, `QKVLinear` are the old names).
 """
 
@@ -163,6 +166,42 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
                          "neither divides the other")
+
+
+def _whole(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
+    return loaded.load() if isinstance(loaded, CheckpointTensor) else loaded
+
+
+def transposed_loader(loader):
+    """`loader` for a checkpoint that stores a matrix as [in, out] (GPT-2's Conv1D): it gets the
+    [out, in] transpose, so its rank slicing is the one it has for nn.Linear checkpoints."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, *shard_id) -> None:
+        loader(param, _whole(loaded).t(), *shard_id)
+
+    return load
+
+
+def fused_qkv_loader(layer: QKVParallelLinear, interleaved: bool = False):
+    """A loader for a checkpoint's single fused q/k/v tensor (weight [3 H D, in] or bias [3 H D],
+    as many kv heads as query heads): stacked [q; k; v] (GPT-2's c_attn), or `interleaved` per
+    head as [H, 3, D] (GPT-NeoX's query_key_value). Each part goes through the layer's shard
+    loader, which keeps this rank's heads."""
+    heads, head_dim = layer.total_num_heads, layer.head_dim
+    if layer.total_num_kv_heads != heads:
+        raise ValueError("a fused qkv checkpoint tensor needs as many kv heads as query heads")
+
+    def load(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
+        if loaded.shape[0] != 3 * heads * head_dim:
+            raise ValueError(f"fused qkv: expected {3 * heads * head_dim} rows, got {tuple(loaded.shape)}")
+        full = _whole(loaded)
+        rest = tuple(full.shape[1:])
+        parts = full.view(heads, 3, head_dim, *rest).transpose(0, 1) if interleaved else \
+            full.view(3, heads, head_dim, *rest)
+        for part, shard_id in zip(parts, "qkv"):
+            layer._load_shard(param, part.reshape(heads * head_dim, *rest), shard_id)
+
+    return load
 
 
 class RowParallelLinear(Linear):

@@ -89,6 +89,19 @@ class ParallelLMHead(nn.Module, _VocabShard):
         return logits
 
 
+class LearnedPositionEmbedding(nn.Module):
+    """Absolute positions looked up in a trained table (GPT-2's wpe, OPT's embed_positions),
+    whole on every rank: it is small. The table keeps `offset` rows before position 0 (OPT: 2)."""
+
+    def __init__(self, num_positions: int, hidden_size: int, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, hidden_size))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)
+
+
 # The names the layers had before tensor parallelism.
 VocabEmbedding = VocabParallelEmbedding
 LMHead = ParallelLMHead

@@ -32,6 +32,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 

@@ -83,16 +83,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     elsewhere = _missing_prefixes(model)  # modules of other pipeline stages
+    # The embedding and the LM head a tied model shares (names differ per architecture).
+    embed_name, head_name = getattr(model, "tied_weight_names", ("model.embed_tokens.weight", "lm_head.weight"))
+    head_prefix = head_name.rsplit(".", 1)[0] + "."
     # Tied embeddings on a last stage without the embedding: the LM head owns a copy of it.
-    tied_copy = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in params
+    tied_copy = getattr(model.config, "tie_word_embeddings", False) and head_name in params
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        if tied_copy and name == "model.embed_tokens.weight":
-            params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor)
-            loaded.add("lm_head.weight")
-        if name.startswith("lm_head.") and ("lm_head.weight" not in params or tied_copy):
+        if tied_copy and name == embed_name:
+            params[head_name].weight_loader(params[head_name], tensor)
+            loaded.add(head_name)
+        if name.startswith(head_prefix) and (head_name not in params or tied_copy):
             continue  # tied embeddings: the checkpoint may still carry a copy
         if name.startswith(elsewhere):
             continue
