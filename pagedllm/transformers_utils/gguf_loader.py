@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -22,43 +21,21 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.transformers_utils.gguf_archs import (
+    EXPERTS,
+    HF_ARCHITECTURES,
+    IGNORED_TENSORS,
+    SUPPORTED_GGUF_ARCHS,
+    complete_config,
+    fix_up,
+    hf_names,
+    split_experts,
+    tidy_floats,
+)
+
 logger = logging.getLogger(__name__)
+__all__ = ["SUPPORTED_GGUF_ARCHS", "convert_gguf", "gguf_is_quantized"]
 
-# GGUF `general.architecture` -> HF `architectures` entry, keyed by HF model_type.
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-
-_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Gemma3 has four norms per layer; llama.cpp's `ffn_norm` is the *pre*-FFN one there.
-_BLOCK_GEMMA3 = {
-    **_BLOCK,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Tensors llama.cpp adds that HF recomputes from the config (llama3 rope scaling factors).
-_IGNORED = {"rope_freqs.weight"}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 _DONE = "done"
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -69,7 +46,8 @@ def _cache_root(cache_dir: str | None) -> Path:
 
 
 # Bumped when the conversion's output changes, so older cache entries are redone once.
-_CONVERSION_VERSION = 2  # 2: gguf_source.json lists the GGUF's tensor types
+# 2: gguf_source.json lists the GGUF's tensor types; 3: names from gguf's TensorNameMap, config completions
+_CONVERSION_VERSION = 3
 
 
 def _cache_key(path: str) -> str:
@@ -176,7 +154,9 @@ def _convert_into(src: str, out: Path) -> None:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(
-            f"Unsupported GGUF architecture {arch!r} in {src}; supported: {SUPPORTED_GGUF_ARCHS}"
+            f"Unsupported GGUF architecture {arch!r} in {src}: pagedllm converts GGUF files of "
+            f"{', '.join(SUPPORTED_GGUF_ARCHS)} (llama includes Mistral); for another architecture "
+            "give its Hugging Face checkpoint (directory or Hub id) instead"
         )
     if int(_field(reader, "split.count", 1)) > 1:  # the reader would silently see one shard
         raise ValueError(f"{src} is one shard of a split GGUF; merge it with gguf-split first")
@@ -208,8 +188,9 @@ def _build_config(link: str, reader: Any, arch: str) -> Any:
 
     cfg = load_gguf_checkpoint(link, return_tensors=False)["config"]
     cfg.pop("_model_name_or_path", None)
-    config = AutoConfig.for_model(**cfg)
-    config.architectures = [_ARCHITECTURES[config.model_type]]
+    complete_config(cfg, arch, lambda key: _field(reader, key), {t.name: t for t in reader.tensors})
+    config = AutoConfig.for_model(**tidy_floats(cfg))
+    config.architectures = [HF_ARCHITECTURES[config.model_type]]
     config.dtype = torch.float32
     # Some mappings (qwen2/qwen3) drop the head size and fall back to the class default.
     head_dim = _field(reader, f"{arch}.attention.key_length")
@@ -259,50 +240,25 @@ def _build_generation_config(config: Any, tokenizer: Any) -> Any:
     )
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
-    if gguf_name in _IGNORED:
-        return None
-    table = _BLOCK_GEMMA3 if arch == "gemma3" else _BLOCK
-    if (m := _BLOCK_RE.match(gguf_name)) and m.group(2) in table:
-        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
-    if (m := _TOP_RE.match(gguf_name)) and m.group(1) in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"Don't know the HF name of GGUF tensor {gguf_name!r} ({arch})")
-
-
-def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row interleave (it converts HF's rotate-half rope layout to
-    GGUF's adjacent-pairs layout by permuting rows within each head)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _fix_up(w: np.ndarray, gguf_name: str, arch: str, config: Any) -> np.ndarray:
-    """Reverse what llama.cpp's converter did to this tensor (as transformers does)."""
-    if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-        heads = config.num_attention_heads
-        if ".attn_k." in gguf_name:
-            heads = config.num_key_value_heads
-        return _unpermute_rows(w, heads)
-    if arch == "gemma3" and gguf_name.endswith("norm.weight"):
-        return w - 1.0  # Gemma's RMSNorm scales by (1 + w); llama.cpp stores 1 + w
-    return w
-
-
 def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
     import gguf
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    names = hf_names(arch, config)
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", dynamic_ncols=True,
                disable=not logger.isEnabledFor(logging.INFO))
     for t in bar:
-        hf = _hf_name(t.name, arch)
-        if hf is None:
+        if t.name in IGNORED_TENSORS:
             continue
+        hf = names.get(t.name)
+        if hf is None:
+            raise ValueError(f"Don't know the HF name of GGUF tensor {t.name!r} ({arch})")
         w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
-        w = _fix_up(w, t.name, arch, config)
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        w = fix_up(w, t.name, arch, config)
+        parts = split_experts(w, t.name, hf) if EXPERTS.match(t.name) else {hf: w}
+        for name, part in parts.items():
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(part, dtype=np.float32))
     save_file(tensors, str(path), metadata={"format": "pt"})
