@@ -57,7 +57,7 @@ def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], max_to
     return results
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def base_and_adapters(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"lora_{request.param}")
     base = make_tiny_model(str(root / "base"), request.param)
