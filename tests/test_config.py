@@ -91,6 +91,6 @@ def test_config_describes_and_never_converts(tiny_llama, monkeypatch):
     assert not hasattr(config, "resolve_model_path") and not hasattr(config, "convert_gguf")
     resolved = []
     monkeypatch.setattr("pagedllm.engine.arg_utils.resolve_model_path",
-                        lambda m: resolved.append(m) or model_path.resolve_model_path(m))
+                        lambda m, *args: resolved.append(m) or model_path.resolve_model_path(m, *args))
     EngineArgs(model=tiny_llama, dtype="float32").create_engine_config()
     assert resolved == [tiny_llama]
