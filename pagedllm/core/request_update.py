@@ -7,6 +7,7 @@ token budget, preemption and KV allocation and calls these from `update_from_out
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SpeculativeConfig
@@ -40,6 +41,8 @@ def update_request_with_output(
         request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
         stats.observe(num_drafts, len(tokens) - 1)
     first = request.num_output_tokens == 0
+    if first:
+        request.first_token_time = time.time()
     new_tokens, stopped = append_output_tokens(request, tokens, max_model_len)
     output = EngineCoreOutput(
         request_id=request.request_id,

@@ -224,6 +224,10 @@ class AsyncLLM:
         """One entry per data-parallel engine core."""
         return await self._call("get_stats")
 
+    async def get_scheduler_state(self) -> list[dict[str, Any]]:
+        """Each engine core's KV block map, queues and stats, for the dashboard; in core order."""
+        return await self._call("get_scheduler_state")
+
     async def reset_prefix_cache(self) -> bool:
         return all(await self._call("reset_prefix_cache"))
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_state import scheduler_snapshot
 from pagedllm.executor import Executor
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -143,6 +145,10 @@ class EngineCore:
             **(self.scheduler.spec_decoding_stats.as_dict() if self.config.speculative_config else {}),
             **(self.scheduler.lora_stats() if self.config.lora_config else {}),
         }
+
+    def get_scheduler_state(self) -> dict[str, Any]:
+        """The dashboard's view of this core: block map, queues and progress, and its stats."""
+        return {**scheduler_snapshot(self.scheduler), "stats": self.get_stats()}
 
     def shutdown(self) -> None:
         """Stop the workers and the grammar compiler; idempotent."""

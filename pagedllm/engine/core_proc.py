@@ -27,7 +27,7 @@ logger = logging.getLogger("pagedllm.engine.core_proc")  # also when run as __ma
 
 
 # Methods of EngineCore the front may call through UTILITY.
-UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "remove_lora"}
+UTILITY_METHODS = {"get_stats", "get_scheduler_state", "reset_prefix_cache", "remove_lora"}
 
 _IDLE_POLL_MS = 1000  # while idle: wake up this often to notice a dead parent
 

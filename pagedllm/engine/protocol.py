@@ -64,6 +64,11 @@ class EngineClient(Protocol):
         """The same stats, one entry per (data-parallel) engine core."""
         ...
 
+    async def get_scheduler_state(self) -> list[dict[str, Any]]:
+        """Per engine core: its KV block map, queues with each request's progress, and its stats
+        (pagedllm.core.scheduler_state), as plain data."""
+        ...
+
     async def reset_prefix_cache(self) -> bool: ...
 
     @property

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.protocol import EngineClient
 
-COROUTINES = ("abort", "check_health", "get_stats", "get_engine_stats", "reset_prefix_cache", "add_lora",
-              "remove_lora")
+COROUTINES = ("abort", "check_health", "get_stats", "get_engine_stats", "get_scheduler_state", "reset_prefix_cache",
+              "add_lora", "remove_lora")
 
 
 def _bare_engine() -> AsyncLLM:
@@ -40,5 +40,6 @@ def test_async_llm_members_match_the_protocol():
     assert inspect.signature(AsyncLLM.generate) == inspect.signature(EngineClient.generate)
     for name in COROUTINES:
         assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), name
+        assert inspect.signature(getattr(AsyncLLM, name)) == inspect.signature(getattr(EngineClient, name)), name
     assert isinstance(inspect.getattr_static(AsyncLLM, "is_running"), property)
     assert not inspect.iscoroutinefunction(AsyncLLM.shutdown)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
@@ -256,6 +257,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         await metrics.refresh(engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    dashboard_paths = add_dashboard_routes(app, engine, metrics)
     drop_validation_responses(app)
 
     @app.exception_handler(RequestValidationError)
@@ -285,7 +287,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware,
                        max_bytes=config.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES)
     if config.api_key:
-        open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
+        open_paths = {"/health", *dashboard_paths} | ({"/metrics"} if config.metrics_no_auth else set())
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset(open_paths))
     origins = _origins(config.allowed_origins)
     if origins:

@@ -17,6 +17,7 @@ from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 MAX_MODEL_LEN = 64
 VOCAB = 384
+FAKE_NUM_BLOCKS = 16
 
 
 class FakeEngine:
@@ -127,6 +128,21 @@ class FakeEngine:
 
     async def get_engine_stats(self) -> list[dict]:
         return [await self.get_stats()]
+
+    async def get_scheduler_state(self) -> list[dict]:
+        """FAKE_NUM_BLOCKS blocks: two in use per live request, in order; one cached, the rest free."""
+        stats = await self.get_stats()
+        live = sorted(self.live)
+        states = ["u"] * (2 * len(live)) + ["c"]
+        states += ["f"] * (FAKE_NUM_BLOCKS - len(states))
+        requests = [{"id": req_id, "queue": "running", "status": "running", "prompt_tokens": 3, "computed_tokens": 4,
+                     "prompt_computed": 3, "output_tokens": 1, "max_tokens": None, "cached_tokens": 0,
+                     "num_preemptions": 0, "priority": 0, "arrival_time": time.time(), "first_token_time": None,
+                     "lora": None, "num_blocks": 2, "block_ids": [2 * i, 2 * i + 1]} for i, req_id in enumerate(live)]
+        return [{"timestamp": time.time(), "block_size": 16, "num_blocks": FAKE_NUM_BLOCKS,
+                 "num_free_blocks": FAKE_NUM_BLOCKS - 2 * len(live), "num_cached_blocks": 1,
+                 "block_states": "".join(states[:FAKE_NUM_BLOCKS]), "blocks_truncated": False,
+                 "requests": requests, "stats": stats}]
 
     def shutdown(self) -> None:
         pass
