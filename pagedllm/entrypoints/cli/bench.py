@@ -63,9 +63,11 @@ def add_bench_parser(subparsers) -> None:
     _add_structured_output_arg(lat)
     lat.set_defaults(func=_latency_cmd)
 
+    from pagedllm.entrypoints.cli.bench_compare import add_bench_compare_parser
     from pagedllm.entrypoints.cli.bench_serve import add_bench_serve_parser
 
     add_bench_serve_parser(sub)
+    add_bench_compare_parser(sub)
 
 
 def _add_structured_output_arg(parser: argparse.ArgumentParser) -> None:

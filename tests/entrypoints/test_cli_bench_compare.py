@@ -1,0 +1,76 @@
+"""`pagedllm bench compare` without servers: its flags, its table, the missing-matplotlib message,
+and llama.cpp's /tokenize. The run against real servers is in test_cli_clients.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import httpx
+import pytest
+
+from pagedllm.entrypoints.cli.bench_compare import MATPLOTLIB_MISSING, _endpoint, format_table, run_bench_compare
+from pagedllm.entrypoints.cli.bench_serve import _tokenize
+from pagedllm.entrypoints.cli.main import build_parser, main
+
+
+def _metrics(throughput: float) -> dict:
+    m = {"completed": 4, "num_prompts": 4, "failed": 0, "request_throughput": throughput / 10,
+         "output_throughput": throughput}
+    for name in ("ttft", "itl", "tpot"):
+        m.update({f"median_{name}_ms": 1.5, f"p90_{name}_ms": 2.25, f"p99_{name}_ms": 3.0})
+    return m
+
+
+def test_endpoints_parse():
+    assert _endpoint("vllm=http://h:8001/v1/") == ("vllm", "http://h:8001")
+    assert _endpoint(" llama = https://h:8080 ") == ("llama", "https://h:8080")
+    for bad in ("http://h:8001", "x=h:8001", "=http://h"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _endpoint(bad)
+    args = build_parser().parse_args(["bench", "compare", "--url", "a=http://x/v1", "--url", "b=http://y"])
+    assert args.url == [("a", "http://x"), ("b", "http://y")] and args.num_prompts == 64
+
+
+def test_table_has_a_row_per_system_and_failures_last():
+    table = format_table({"pagedllm": _metrics(120.0), "vllm": {"error": "ConnectError: refused", "failed": 4},
+                          "llama": _metrics(80.5)})
+    header, rule, *rows = table.splitlines()
+    assert header.split()[:4] == ["System", "OK", "Req/s", "Out"] and set(rule) == {"-"}
+    assert rows[0].split() == ["pagedllm", "4/4", "12.00", "120.0", "1.5", "2.2", "3.0", "1.5", "3.0", "1.5", "3.0"]
+    assert rows[1].split()[:4] == ["llama", "4/4", "8.05", "80.5"]
+    assert rows[2].startswith("vllm") and "failed: ConnectError: refused" in rows[2]
+
+
+def test_bad_invocations(capsys, monkeypatch):
+    assert main(["bench", "compare"]) == 2
+    assert "nothing to compare" in capsys.readouterr().err
+    assert main(["bench", "compare", "--url", "a=http://x", "--url", "a=http://y"]) == 2
+    assert "own name" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: said before any benchmark runs
+    args = build_parser().parse_args(["bench", "compare", "--url", "a=http://127.0.0.1:9", "--plot", "x.png"])
+    with pytest.raises(ValueError, match="pip install 'pagedllm\\[bench\\]'") as e:
+        run_bench_compare(args)
+    assert str(e.value) == MATPLOTLIB_MISSING
+
+
+def test_unreachable_server_is_a_failed_row(capsys):
+    args = build_parser().parse_args(["bench", "compare", "--url", "down=http://127.0.0.1:9", "--num-prompts", "2"])
+    assert run_bench_compare(args) == 1
+    assert "failed: ConnectError" in capsys.readouterr().out
+
+
+def test_tokenize_falls_back_to_llama_cpp():
+    def llama_server(request: httpx.Request) -> httpx.Response:
+        if b'"content"' not in request.content:
+            return httpx.Response(500, json={"error": "content is required"})
+        return httpx.Response(200, json={"tokens": [5, 6, 7]})
+
+    async def run(handler) -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://llama") as client:
+            return await _tokenize(client, "m", "some text")
+
+    assert asyncio.run(run(llama_server)) == [5, 6, 7]
+    with pytest.raises(ValueError, match="no /tokenize"):
+        asyncio.run(run(lambda request: httpx.Response(404, json={})))
