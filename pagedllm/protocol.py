@@ -69,6 +69,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
     # A pooling request's vector (with its finish).
     pooling_output: list[float] | None = None
+    # Sent with the first token: when the core first scheduled the request (wall clock, time.time()).
+    scheduled_time: float | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -59,6 +59,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit length at first schedule
     num_preemptions: int = 0
     first_token_time: float | None = None  # when its first output token was sampled (wall clock)
+    first_scheduled_time: float | None = None  # wall clock; the front's queue and prefill times need it
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Accumulated over prefill chunks; handed out with the first output token.
     prompt_logprobs: list | None = None

@@ -52,6 +52,7 @@ def update_request_with_output(
         num_cached_tokens=max(request.num_cached_tokens, 0),
         new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
         prompt_logprobs=request.prompt_logprobs if first else None,
+        scheduled_time=request.first_scheduled_time if first else None,
     )
     return output, stopped
 

@@ -12,6 +12,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_state import scheduler_snapshot
+from pagedllm.engine.step_stats import IterationTokens
 from pagedllm.executor import Executor
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -52,6 +53,7 @@ class EngineCore:
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self.batch_queue_size
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        self.iteration_tokens = IterationTokens()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -78,6 +80,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if len(self.batch_queue) < self.batch_queue_size:
             sched_out = self.scheduler.schedule()
+            self._record_scheduled(sched_out)
             outputs = self.scheduler.take_pending_outputs()
             if not sched_out.is_empty:
                 self.model_executor.execute_model(sched_out)
@@ -96,10 +99,22 @@ class EngineCore:
         """Schedule and start the forward pass. With worker processes it runs while the caller
         goes on (data-parallel engine cores in one process start theirs side by side)."""
         sched_out = self.scheduler.schedule()
+        self._record_scheduled(sched_out)
         outputs = self.scheduler.take_pending_outputs()
         if not sched_out.is_empty:
             self.model_executor.execute_model(sched_out)
         return sched_out, outputs
+
+    def _record_scheduled(self, sched_out: SchedulerOutput) -> None:
+        """The step's token count, and when each request was first scheduled (for metrics)."""
+        if sched_out.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
+        now = time.time()
+        requests = self.scheduler.requests
+        for new in sched_out.scheduled_new_reqs:
+            request = requests.get(new.req_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = now
 
     def finish_step(self, begun: tuple[SchedulerOutput, list[EngineCoreOutput]]) -> EngineCoreOutputs:
         sched_out, outputs = begun
@@ -142,6 +157,7 @@ class EngineCore:
             "prefix_cache_hits": pc.hits,
             "prefix_cache_hit_rate": pc.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.iteration_tokens.as_dict(),
             **(self.scheduler.spec_decoding_stats.as_dict() if self.config.speculative_config else {}),
             **(self.scheduler.lora_stats() if self.config.lora_config else {}),
         }

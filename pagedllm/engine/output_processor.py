@@ -137,6 +137,8 @@ class OutputProcessor:
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
         """Apply one engine-core output; True if a stop string finished the request."""
         m = state.metrics
+        if out.scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = out.scheduled_time
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now

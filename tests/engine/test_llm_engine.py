@@ -168,3 +168,23 @@ def test_n_request_gives_one_output_per_step(engine):
         assert len(outs) <= 1
         last = outs[-1] if outs else last
     assert last.finished and [len(c.token_ids) for c in last.outputs] == [3] * 8
+
+
+def test_first_scheduled_time_and_tokens_per_step(tiny_llama):
+    """The core stamps when a request was first scheduled (sent with its first token) and counts
+    the tokens of each step: with chunked prefill (4 tokens a step) and no prefix cache, each prompt
+    token once and each generated token but the last."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=1,
+                                                   max_num_batched_tokens=4, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(10, 20)), params)
+    engine.add_request("b", [5, 6, 7], params)
+    finished = _drain(engine)
+    a, b = finished["a"].metrics, finished["b"].metrics
+    for m in (a, b):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    assert b.first_scheduled_time >= a.last_token_time  # max_num_seqs=1: b waited for a
+    stats = engine.get_stats()
+    assert stats["iteration_tokens_sum"] == (10 + 3 - 1) + (3 + 3 - 1)
+    assert stats["iteration_tokens_count"] == 3 + 2 + 1 + 2  # a: 3 prefill chunks, 2 decodes; b: 1 and 2
+    assert stats["iteration_tokens_bucket:1"] == 4 and stats["iteration_tokens_bucket:8"] == 8

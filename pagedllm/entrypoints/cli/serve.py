@@ -13,9 +13,11 @@ import time
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 from pagedllm.entrypoints.openai.server_config import (
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LOG_STATS_INTERVAL_S,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_TOOL_OUTPUT_BYTES,
     MAX_PARALLEL_TOOL_CALLS,
+    METRICS_COMPAT_CHOICES,
     ServerConfig,
     parse_lora_module,
 )
@@ -82,6 +84,18 @@ def add_serve_parser(subparsers) -> None:
                    help="store nothing: store=true and background responses get 400, conversations are off")
     p.add_argument("--max-tool-output-bytes", type=int, default=DEFAULT_MAX_TOOL_OUTPUT_BYTES,
                    help="largest output one POST /v1/responses/{id}/tool_outputs may carry (default: %(default)s)")
+    p.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S,
+                   help="seconds between the stats lines (throughput, running / waiting requests, KV cache and "
+                        "prefix cache use) (default: %(default)s)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each generation request as it arrives: id, prompt length, sampling params, prompt")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests, the most prompt characters (and prompt token ids) a line "
+                        "shows (default: all)")
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT_CHOICES, default=None,
+                   help="vllm: /metrics also exposes every series under vLLM's names (vllm:num_requests_running, "
+                        "...), so dashboards written for vLLM work unchanged")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (server events, access log); pagedllm's own lines follow "

@@ -3,6 +3,7 @@ limit; CORS), and exception handlers that turn every failure into an OpenAI-styl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -47,6 +48,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.responses_routes import add_responses_routes
 from pagedllm.entrypoints.openai.responses_session import ResponseRegistry
 from pagedllm.entrypoints.openai.responses_store import make_response_store
@@ -66,6 +68,7 @@ from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_stored_responses import OpenAIServingStoredResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.stat_logger import StatLogger
 from pagedllm.entrypoints.openai.stream_utils import ClientDisconnected
 from pagedllm.version import __version__
 
@@ -125,7 +128,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     model_config = engine.model_config
     names = list(config.served_model_names) or [model_config.model or model_config.model_path]
     models = OpenAIServingModels(engine, names, config.lora_modules)
-    metrics = ServerMetrics(names[0])
+    engine_config = getattr(engine, "config", None)
+    metrics = ServerMetrics(names[0], model_config.max_model_len, config.metrics_compat,
+                            getattr(engine_config, "cache_config", None))
     lora_config = getattr(engine, "lora_config", None)
     if lora_config is not None:
         metrics.enable_lora(lora_config.max_loras, lambda: list(models.lora_requests))
@@ -138,11 +143,21 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         config.responses_store, config.responses_store_max_entries, config.responses_store_ttl)
     created = OpenAIServingResponses(chat, ResponseRegistry(store, config.responses_store_ttl),
                                      store_enabled=store is not None)
+    if config.enable_log_requests:
+        chat.request_logger = completion.request_logger = RequestLogger(config.max_log_len)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await models.init_static_loras()  # a no-op when `pagedllm serve` did it before binding uvicorn
-        yield
+        stats = None
+        if not config.disable_log_stats:
+            stats = asyncio.create_task(StatLogger(engine, metrics, config.log_stats_interval).run())
+        try:
+            yield
+        finally:
+            if stats is not None:
+                stats.cancel()
+                await asyncio.gather(stats, return_exceptions=True)
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.engine = engine

@@ -1,10 +1,11 @@
-"""Prometheus metrics in vLLM's style, with a `pagedllm:` prefix.
+"""Prometheus metrics in vLLM's style, with a `pagedllm:` prefix (and, with `--metrics-compat
+vllm`, every series again under vLLM's names: metrics_compat.py).
 
 Each app gets its own CollectorRegistry (tests start several apps in one process, and the
-global registry refuses duplicate names). Request-level numbers (tokens, latencies,
-finish reasons) are computed in the front from the RequestOutputs it streams; engine-level
-numbers (queue sizes, KV usage, prefix cache, preemptions) are pulled from
-`engine.get_engine_stats()` at scrape time, cumulative engine counters turned into deltas; they
+global registry refuses duplicate names). Request-level numbers (tokens, latencies, sizes,
+finish reasons) are computed in the front from the RequestOutputs it streams (metrics_tracker.py);
+engine-level numbers (queue sizes, KV usage, prefix cache, preemptions, tokens per step) are pulled
+from `engine.get_engine_stats()` at scrape time, cumulative engine counters turned into deltas; they
 carry an `engine` label (the data-parallel rank), as vLLM's do, so `sum by (model_name)` is the total.
 With LoRA on, requests per adapter (all engine cores together) come from the same stats.
 """
@@ -12,15 +13,19 @@ With LoRA on, requests per adapter (all engine cores together) come from the sam
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.step_stats import histogram_of
+from pagedllm.entrypoints.openai.metrics_compat import check_compat, with_compat_names
+from pagedllm.entrypoints.openai.metrics_tracker import RequestTracker
+from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.config import CacheConfig
     from pagedllm.engine.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -31,13 +36,35 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def _buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(buckets) or (1,)
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 0, compat: str | None = None,
+                 cache_config: CacheConfig | None = None) -> None:
+        """`compat`: None, or "vllm" to expose every series under vLLM's names too. `cache_config`:
+        the labels of cache_config_info (None: no such series)."""
+        check_compat(compat)
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.compat = compat
+        self.cache_config = cache_config
+        # Running totals for the periodic stats line (stat_logger.py).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
         r, lbl, engine_lbl = self.registry, ["model_name"], ["model_name", "engine"]
+        token_buckets = _buckets_1_2_5(max_model_len or 1 << 20)
 
         def gauge(name: str, doc: str) -> Any:  # an engine-level number, one series per engine core
             return Gauge(name, doc, engine_lbl, registry=r)
@@ -74,6 +101,30 @@ class ServerMetrics:
         self.tpot = histogram("pagedllm:time_per_output_token_seconds", "Time per output token after the first.",
                               _TPOT_BUCKETS)
         self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.itl = histogram("pagedllm:inter_token_latency_seconds",
+                             "Time between engine steps that brought a request tokens.", _TPOT_BUCKETS)
+        self.queue_time = histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                                    _E2E_BUCKETS)
+        self.prefill_time = histogram("pagedllm:request_prefill_time_seconds", "First scheduled to first token.",
+                                      _E2E_BUCKETS)
+        self.decode_time = histogram("pagedllm:request_decode_time_seconds", "First token to last token.",
+                                     _E2E_BUCKETS)
+        self.inference_time = histogram("pagedllm:request_inference_time_seconds",
+                                        "First scheduled to last token.", _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("pagedllm:request_prompt_tokens", "Prompt tokens per finished "
+                                               "request.", token_buckets)
+        self.request_generation_tokens = histogram("pagedllm:request_generation_tokens", "Generated tokens per "
+                                                   "finished request, all its samples.", token_buckets)
+        self.request_max_generation_tokens = histogram("pagedllm:request_max_num_generation_tokens",
+                                                       "The longest sample of a finished request.", token_buckets)
+        self.request_params_n = histogram("pagedllm:request_params_n", "The n parameter of finished requests.",
+                                          _N_BUCKETS)
+        self.request_params_max_tokens = histogram("pagedllm:request_params_max_tokens",
+                                                   "The max_tokens parameter of finished requests.", token_buckets)
+        self.cache_info: Any = None  # its labels are known once the engine cores sized their caches
+        self._cache_info_engines: set[str] = set()
+        self._engine_stats: list[dict[str, float]] = []
+        r.register(_IterationTokens(self))
         self._last_engine: dict[tuple[str, str], float] = {}
         self._max_loras: int | None = None  # None: LoRA off, no LoRA metrics
         self._lora_names: Callable[[], Iterable[str]] = list
@@ -92,12 +143,20 @@ class ServerMetrics:
         self.lora_waiting = Gauge("pagedllm:lora_requests_waiting", "Waiting requests per LoRA adapter.",
                                   ["model_name", "lora_name"], registry=r)
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
+    def track(self, params: SamplingParams | None = None) -> RequestTracker:
+        return RequestTracker(self, params)
+
+    def count_prompt_tokens(self, num: int) -> None:
+        self.prompt_tokens.inc(num)
+        self.total_prompt_tokens += num
+
+    def count_generation_tokens(self, num: int) -> None:
+        self.generation_tokens.inc(num)
+        self.total_generation_tokens += num
 
     def count_pooled(self, num_prompt_tokens: int) -> None:
         """A pooling request (embedding, score, classification) that finished: its prompt tokens."""
-        self.prompt_tokens.inc(num_prompt_tokens)
+        self.count_prompt_tokens(num_prompt_tokens)
         self.count_finished("stop")
 
     def count_finished(self, reason: str) -> None:
@@ -110,8 +169,10 @@ class ServerMetrics:
         except Exception:
             logger.debug("engine stats unavailable", exc_info=True)
             return
+        self._engine_stats = per_engine
         for index, stats in enumerate(per_engine):
             self._refresh_engine(str(index), stats)
+            self._set_cache_info(str(index), stats)
         if self._max_loras is not None:
             self._refresh_lora(per_engine)
 
@@ -152,51 +213,42 @@ class ServerMetrics:
                 child.inc(delta)
             self._last_engine[engine, key] = value
 
+    def _set_cache_info(self, engine: str, stats: dict[str, float]) -> None:
+        """vLLM's cache_config_info: a gauge at 1 whose labels describe an engine core's KV cache."""
+        cache = self.cache_config
+        if cache is None or engine in self._cache_info_engines or "num_total_blocks" not in stats:
+            return
+        info = {
+            "block_size": cache.block_size,
+            "cache_dtype": "auto",  # the model's dtype
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "kv_cache_memory_bytes": cache.kv_cache_memory,
+            "num_gpu_blocks": int(stats["num_total_blocks"]),
+            "num_gpu_blocks_override": cache.num_gpu_blocks_override,
+            "engine": engine,
+        }
+        if self.cache_info is None:
+            self.cache_info = Gauge("pagedllm:cache_config_info", "The engine cores' KV cache configuration.",
+                                    list(info), registry=self.registry)
+        self.cache_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
+        self._cache_info_engines.add(engine)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(with_compat_names(self.registry, self.compat))
 
 
-class RequestTracker:
-    """Counts one request's tokens as its outputs stream in, and its latencies at the end."""
+class _IterationTokens:
+    """pagedllm:iteration_tokens_total, a histogram the engine cores keep (engine/step_stats.py)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
-        self._prompt_counted = False
-        self._generated = 0
-        self._last: RequestOutput | None = None
-        self._done = False
 
-    def update(self, out: RequestOutput) -> None:
-        m = self.metrics
-        if not self._prompt_counted:
-            m.prompt_tokens.inc(len(out.prompt_token_ids))
-            self._prompt_counted = True
-        generated = sum(len(c.token_ids) for c in out.outputs)
-        if generated > self._generated:
-            m.generation_tokens.inc(generated - self._generated)
-            self._generated = generated
-        self._last = out
-        if out.finished:
-            reason = out.outputs[0].finish_reason if out.outputs else None
-            self._finish(reason or "stop")
-
-    def aborted(self) -> None:
-        self._finish("abort")
-
-    def _finish(self, reason: str) -> None:
-        if self._done:
-            return
-        self._done = True
-        m = self.metrics
-        m.count_finished(reason)
-        out = self._last
-        metrics = out.metrics if out is not None else None
-        if metrics is None:
-            return
-        end = metrics.finished_time or time.time()
-        if metrics.first_token_time is not None:
-            m.ttft.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
-            num = len(out.outputs[0].token_ids) if out.outputs else 0
-            if num > 1 and metrics.last_token_time is not None:
-                m.tpot.observe(max(0.0, metrics.last_token_time - metrics.first_token_time) / (num - 1))
-        m.e2e.observe(max(0.0, end - metrics.arrival_time))
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily("pagedllm:iteration_tokens_total", "Tokens scheduled per engine step.",
+                                       labels=["model_name", "engine"])
+        for index, stats in enumerate(self.metrics._engine_stats):
+            found = histogram_of(stats)
+            if found is not None:
+                family.add_metric([self.metrics.model_name, str(index)], found[0], found[1])
+        yield family

@@ -14,6 +14,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_PARALLEL_TOOL_CALLS = 8
 DEFAULT_MAX_TOOL_OUTPUT_BYTES = 1024 * 1024
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+METRICS_COMPAT_CHOICES = ("vllm",)  # --metrics-compat: whose metric names /metrics repeats its series under
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +73,12 @@ class ServerConfig:
     responses_store_ttl: float | None = None  # seconds after its last write a stored response expires
     disable_responses_store: bool = False
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    # logs and metrics
+    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S  # seconds between stats lines
+    disable_log_stats: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int | None = None  # characters of prompt text (and prompt token ids) a request line shows
+    metrics_compat: str | None = None  # "vllm": /metrics repeats every series under vLLM's names
     # the HTTP server (cli/serve.py: serve_http)
     host: str = "0.0.0.0"
     port: int = 8000
@@ -88,4 +96,8 @@ class ServerConfig:
         values["lora_modules"] = tuple(getattr(args, "lora_modules", None) or ())
         if values["lora_modules"] and not getattr(args, "enable_lora", False):
             raise ValueError("--lora-modules needs --enable-lora")
+        if values.get("log_stats_interval", 1) <= 0:
+            raise ValueError("--log-stats-interval must be positive (turn the lines off with --disable-log-stats)")
+        if (values.get("max_log_len") or 0) < 0:
+            raise ValueError("--max-log-len must not be negative")
         return cls(**values)

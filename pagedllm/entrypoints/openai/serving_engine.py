@@ -19,6 +19,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -113,6 +114,8 @@ def _generation_defaults(model_path: str) -> dict[str, Any]:
 
 
 class OpenAIServing:
+    request_logger: RequestLogger | None = None  # --enable-log-requests: build_app sets one
+
     def __init__(
         self, engine: EngineClient, models: OpenAIServingModels | list[str], metrics: ServerMetrics | None = None
     ) -> None:
@@ -253,10 +256,12 @@ class OpenAIServing:
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate with metrics; however this generator ends early (closed,
         cancelled, failed), the engine request is aborted."""
-        tracker = self.metrics.track() if self.metrics is not None else None
+        tracker = self.metrics.track(params) if self.metrics is not None else None
         if self.engine.errored:
             raise EngineDeadError()
         lora_request = self.models.lora_request(request.model)
+        if self.request_logger is not None:
+            self.request_logger.log_inputs(request_id, prompt, params, lora_request)
         gen = self.engine.generate(prompt, params, request_id, priority=request.priority,
                                    cache_salt=request.cache_salt, lora_request=lora_request)
         finished = rejected = started = False

@@ -10,9 +10,10 @@ import os
 import time
 from types import SimpleNamespace
 
-from pagedllm.config import LoRAConfig
+from pagedllm.config import CacheConfig, LoRAConfig
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.logprobs import Logprob
+from pagedllm.engine.step_stats import IterationTokens
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 MAX_MODEL_LEN = 64
@@ -25,6 +26,8 @@ class FakeEngine:
                  lora_config: LoRAConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(max_model_len=MAX_MODEL_LEN, model="fake-model", model_path=model_path)
+        self.config = SimpleNamespace(cache_config=CacheConfig(block_size=16))
+        self.iteration_tokens = IterationTokens()  # per step: the prompt, then one token per sample
         self.step_delay = step_delay
         self.errored = False
         self.live: set[str] = set()
@@ -56,9 +59,11 @@ class FakeEngine:
         self.calls.append((prompt, sampling_params, request_id, priority, cache_salt, lora_request))
         self.live.add(request_id)
         metrics = RequestMetrics(arrival_time=time.time())
+        metrics.first_scheduled_time = time.time()
         finished = False
         try:
             for step in range(sampling_params.max_tokens):
+                self.iteration_tokens.observe(len(ids) if step == 0 else sampling_params.n)
                 await asyncio.sleep(self.step_delay)
                 if self.errored:
                     raise EngineDeadError()
@@ -117,7 +122,7 @@ class FakeEngine:
             raise EngineDeadError()
         stats = {"num_running": len(self.live), "num_waiting": 0, "kv_cache_usage": 0.25 * bool(self.live),
                  "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
-                 "num_preemptions": 1}
+                 "num_preemptions": 1, "num_total_blocks": 64, **self.iteration_tokens.as_dict()}
         if self.lora_config is not None:
             for call in self.calls:
                 request_id, lora = call[2], call[5]

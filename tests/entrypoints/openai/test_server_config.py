@@ -24,7 +24,9 @@ def test_every_server_flag_reaches_the_config():
         "--tool-call-parser", "mistral", "--tool-choice-auto-grammar", "--max-parallel-tool-calls", "2",
         "--reasoning-parser", "qwen3", "--uvicorn-log-level", "warning", "--enable-tokenizer-info-endpoint",
         "--responses-store", "sqlite:///r.db", "--responses-store-max-entries", "5", "--responses-store-ttl", "60",
-        "--disable-responses-store", "--max-tool-output-bytes", "99", "--enable-lora", "--lora-modules", "a=/p"])
+        "--disable-responses-store", "--max-tool-output-bytes", "99", "--enable-lora", "--lora-modules", "a=/p",
+        "--log-stats-interval", "2.5", "--disable-log-stats", "--enable-log-requests", "--max-log-len", "40",
+        "--metrics-compat", "vllm"])
     config = ServerConfig.from_namespace(args)
     assert config == ServerConfig(
         served_model_names=("a", "b"), chat_template="t.jinja", trust_request_chat_template=True,
@@ -33,11 +35,19 @@ def test_every_server_flag_reaches_the_config():
         metrics_no_auth=True, allowed_origins=("http://x", "http://y"), enable_tokenizer_info_endpoint=True,
         responses_store="sqlite:///r.db", responses_store_max_entries=5, responses_store_ttl=60.0,
         disable_responses_store=True, max_tool_output_bytes=99, lora_modules=(LoRAModulePath("a", "/p"),),
+        log_stats_interval=2.5, disable_log_stats=True, enable_log_requests=True, max_log_len=40,
+        metrics_compat="vllm",
         host="127.0.0.1", port=9,
         limit_concurrency=7, header_timeout=2.5, timeout_keep_alive=3, uvicorn_log_level="warning")
     changed = {f.name for f in dataclasses.fields(ServerConfig)
                if getattr(config, f.name) != getattr(ServerConfig(), f.name)}
     assert changed == {f.name for f in dataclasses.fields(ServerConfig)}  # the test sets every field
+
+
+@pytest.mark.parametrize("flags", [["--log-stats-interval", "0"], ["--max-log-len", "-1"]])
+def test_log_flags_are_checked(flags):
+    with pytest.raises(ValueError):
+        ServerConfig.from_namespace(build_parser().parse_args(["serve", "/m", *flags]))
 
 
 def test_config_is_slotted():

@@ -31,9 +31,9 @@ def server(tiny_llama, tmp_path_factory):
 
 
 def _serve(tiny_llama, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None):
+           env: dict[str, str] | None = None, logs: list | None = None):
     """Start `pagedllm serve` on the model, yield its URL once healthy, stop it afterwards. `env`:
-    variables for the server process on top of this one's."""
+    variables for the server process on top of this one's; `logs` gets the path of its output."""
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = free_port()
@@ -42,6 +42,8 @@ def _serve(tiny_llama, tmp_path_factory, procs: list | None = None, extra_args: 
            "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
            "--uvicorn-log-level", "warning", *extra_args]
     log = tmp_path_factory.mktemp("log") / "server.log"
+    if logs is not None:
+        logs.append(log)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PAGEDLLM_API_KEY": "", **(env or {})})
