@@ -18,7 +18,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def test_lora_on_the_int4_default_model(tmp_path):
-    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, enable_lora=True, max_loras=4, max_cpu_loras=5)
+    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, quantization="int4", enable_lora=True, max_loras=4,
+              max_cpu_loras=5)
     text_config = llm.llm_engine.config.model_config.text_config
     assert llm.llm_engine.config.model_config.quantization == "int4"
     zero = LoRARequest("zero", 1, write_random_adapter(str(tmp_path / "zero"), text_config, 16, 0, scale=0.0))
