@@ -74,6 +74,15 @@ def normalize_item(item: Any, where: str) -> dict[str, Any]:
                       "function_call_output or reasoning", param=where)
 
 
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """OpenAI's bounds on a response's or a conversation's metadata."""
+    metadata = metadata or {}
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise OpenAIError("metadata holds at most 16 pairs, keys of at most 64 and values of 512 characters",
+                          param="metadata")
+    return metadata
+
+
 def normalize_input(value: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [normalize_item({"role": "user", "content": value}, param)] if value else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.entrypoints.openai.responses_items import new_id, normalize_input
+from pagedllm.entrypoints.openai.responses_items import check_metadata, new_id, normalize_input
 from pagedllm.entrypoints.openai.responses_protocol import (
     ConversationCreateRequest,
     ConversationItemsRequest,
@@ -16,14 +16,6 @@ from pagedllm.entrypoints.openai.responses_protocol import (
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_stored_responses import page
-
-
-def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    metadata = metadata or {}
-    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        raise OpenAIError("metadata holds at most 16 pairs, keys of at most 64 and values of 512 characters",
-                          param="metadata")
-    return metadata
 
 
 class OpenAIServingConversations:
@@ -45,7 +37,7 @@ class OpenAIServingConversations:
     def create(self, request: ConversationCreateRequest) -> dict[str, Any]:
         items = normalize_input(request.items or [], "items")
         conv = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
-                "metadata": _check_metadata(request.metadata)}
+                "metadata": check_metadata(request.metadata)}
         self.store.put_conversation(conv)
         if items:
             self.store.add_conversation_items(conv["id"], items)
@@ -56,7 +48,7 @@ class OpenAIServingConversations:
 
     def update(self, conversation_id: str, request: ConversationUpdateRequest) -> dict[str, Any]:
         conv = self._get(conversation_id)
-        conv["metadata"] = _check_metadata(request.metadata)
+        conv["metadata"] = check_metadata(request.metadata)
         self.store.put_conversation(conv)
         return conv
 

@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
 from pagedllm.entrypoints.openai.responses_items import (
     chat_tool_choice,
     chat_tools,
+    check_metadata,
     items_to_messages,
     new_id,
     normalize_input,
@@ -90,11 +91,7 @@ class OpenAIServingResponses:
         for name in request.include or []:
             if name not in INCLUDABLE:
                 raise OpenAIError(f"include: unknown value {name!r}", param="include")
-        for key, value in (request.metadata or {}).items():
-            if len(key) > 64 or len(value) > 512:
-                raise OpenAIError("metadata keys are at most 64 and values 512 characters", param="metadata")
-        if len(request.metadata or {}) > 16:
-            raise OpenAIError("metadata holds at most 16 pairs", param="metadata")
+        check_metadata(request.metadata)
         store = bool(request.store)
         if not self.store_enabled:
             if store and "store" in request.model_fields_set:
