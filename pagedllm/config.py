@@ -335,17 +335,19 @@ def check_quantization(method: str | None, device: torch.device) -> None:
 
 
 def resolve_quantization(
-    method: str | None, model_path: str, device: torch.device, dtype: torch.dtype
+    method: str | None, model_path: str, device: torch.device, dtype: str | torch.dtype
 ) -> str | None:
     """The method a model runs with: as given; "none" for none; and when not given, a GGUF
     checkpoint with quantized tensors runs quantized on CPU (as vLLM runs GGUF files with its
-    GGUF kernels) instead of dequantized, unless float32 was asked for (full precision, the
-    mode the exactness tests compare in)."""
+    GGUF kernels) instead of dequantized, unless float32 was asked for by name (full
+    precision, the mode the exactness tests compare in). `dtype` is the one asked for: "auto"
+    picking float32 on a CPU without native bf16 still runs quantized."""
     from pagedllm.transformers_utils.gguf_loader import gguf_is_quantized
 
     if method == "none":
         return None
-    if method is None and device.type == "cpu" and dtype != torch.float32 and gguf_is_quantized(model_path):
+    full_precision = dtype in (torch.float32, "float32", "float")
+    if method is None and device.type == "cpu" and not full_precision and gguf_is_quantized(model_path):
         return GGUF_CPU_QUANTIZATION
     return method
 
@@ -386,7 +388,7 @@ def build_model_config(
         seed=seed,
         tokenizer=tokenizer or model_path,
         trust_remote_code=trust_remote_code,
-        quantization=resolve_quantization(quantization, model_path, device, resolved_dtype),
+        quantization=resolve_quantization(quantization, model_path, device, dtype),
     )
 
 

@@ -6,7 +6,8 @@ Levels, lowest first: "generic" (no AVX2, or not x86), "avx2" (AVX2 + FMA), "avx
 (AVX-512 F, BW, VL and DQ). `PAGEDLLM_CPU_ISA` unset, "", "auto" or "none": the CPU's level;
 "avx2" / "generic": at most that level (a level above the CPU's is capped to the CPU's).
 Below the CPU's level:
-- pagedllm's C kernels are not built where they need a higher level (`cpu_kernels.py`);
+- pagedllm's C kernels are built for the lower level (`cpu_kernels.py`: the AVX2 + FMA or the
+  portable C build), so an AVX-512 machine runs the code an AVX2-only one does;
 - torch is capped as well, before its first CPU op (`apply`): `ATEN_CPU_CAPABILITY` for ATen's
   vectorised kernels and `DNNL_MAX_CPU_ISA` for oneDNN's GEMMs, which then has no bf16 support,
   as on a CPU without AVX-512 (variables already set are left alone);

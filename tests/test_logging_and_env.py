@@ -68,5 +68,10 @@ def test_collect_env_prints_what_a_bug_report_needs(collect_env_output):
     assert rows["xgrammar"] != "not installed"
     for flag in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"):
         assert re.search(rf"\b{flag}=(yes|no)\b", rows["CPU flags"]), rows["CPU flags"]
-    assert rows["C kernels"].startswith(("built for ", "not built", "off"))
+    assert re.match(r"(AVX-512|AVX2\+FMA|portable C)( \(.*\))? path: |not built|off", rows["C kernels"]), rows
+    from pagedllm import cpu_isa
+    from pagedllm.model_executor.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is not None:  # the selected level's path is the one named
+        assert rows["C kernels"].startswith(cpu_kernels.describe(cpu_isa.selected()))
     assert str(os.cpu_count()) in rows["CPU cores"]

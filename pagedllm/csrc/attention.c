@@ -9,6 +9,7 @@
 
 #define MAX_GROUP 8
 
+#ifdef PL_AVX512
 /* The four horizontal sums of a, b, c, d, in one pass of shuffles. */
 INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -19,13 +20,14 @@ INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+#endif
 
 /* Scores of one key against G query heads (qh: the G rows of q, as stored). */
 INLINE void key_scores(const void *kc, int bf16, int64_t at, const void *q, int64_t d, int64_t G, float *dst,
                        int64_t dst_stride, float scale) {
-    __m512 acc[MAX_GROUP];
-    for (int64_t g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-#ifdef __AVX512BF16__
+    vf acc[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) acc[g] = vzero();
+#if defined(PL_AVX512) && defined(__AVX512BF16__)
     if (bf16) {  /* bf16 pairs straight into float32 sums: no conversion of the keys */
         for (int64_t c = 0; c < d; c += 32) {
             __m512bh kv = (__m512bh)_mm512_loadu_si512((const uint16_t *)kc + at + c);
@@ -35,11 +37,12 @@ INLINE void key_scores(const void *kc, int bf16, int64_t at, const void *q, int6
     } else
 #endif
     {
-        for (int64_t c = 0; c < d; c += 16) {
-            __m512 kv = load16(kc, bf16, at + c, 0xFFFF);
-            for (int64_t g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(kv, load16(q, bf16, g * d + c, 0xFFFF), acc[g]);
+        for (int64_t c = 0; c < d; c += VL) {
+            vf kv = vload(kc, bf16, at + c, VL);
+            for (int64_t g = 0; g < G; g++) acc[g] = vfmadd(kv, vload(q, bf16, g * d + c, VL), acc[g]);
         }
     }
+#ifdef PL_AVX512
     for (int64_t g = 0; g < G; g += 4) {
         __m512 z = _mm512_setzero_ps();
         float sums[4];
@@ -47,43 +50,44 @@ INLINE void key_scores(const void *kc, int bf16, int64_t at, const void *q, int6
                                     g + 3 < G ? acc[g + 3] : z));
         for (int64_t j = 0; j < 4 && g + j < G; j++) dst[(g + j) * dst_stride] = sums[j] * scale;
     }
+#else
+    for (int64_t g = 0; g < G; g++) dst[g * dst_stride] = vhsum(acc[g]) * scale;
+#endif
 }
 
 static void softmax_rows(float *p, int64_t rows, int64_t n) {
     for (int64_t g = 0; g < rows; g++) {
         float *row = p + g * n;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail16(n - i), row + i));
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-            __mmask16 k = tail16(n - i);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + i), m));
-            _mm512_mask_storeu_ps(row + i, k, e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+        vf mx = vset1(-INFINITY);
+        for (int64_t i = 0; i < n; i += VL) mx = vsel(vm_tail(n - i), vmax(mx, vloadf(row + i, n - i)), mx);
+        vf m = vset1(vhmax(mx)), sum = vzero();
+        for (int64_t i = 0; i < n; i += VL) {
+            vf e = vexp(vsub(vloadf(row + i, n - i), m));
+            vstoref(row + i, e, n - i);
+            sum = vadd(sum, vsel(vm_tail(n - i), e, vzero()));
         }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        for (int64_t i = 0; i < n; i += 16)
-            _mm512_mask_storeu_ps(row + i, tail16(n - i), _mm512_mul_ps(_mm512_maskz_loadu_ps(tail16(n - i), row + i), inv));
+        vf inv = vset1(1.0f / vhsum(sum));
+        for (int64_t i = 0; i < n; i += VL) vstoref(row + i, vmul(vloadf(row + i, n - i), inv), n - i);
     }
 }
 
-/* out rows of G heads = p [G, n] @ values at off[0..n): two 16-lane chunks per pass. */
+/* out rows of G heads = p [G, n] @ values at off[0..n): two vectors of lanes per pass. */
 static void weighted_values(const void *vc, int bf16, const int64_t *off, int64_t n, const float *p, int64_t G,
                             int64_t d, void *out) {
-    for (int64_t c = 0; c < d; c += 32) {
-        __m512 acc[MAX_GROUP][2];
-        for (int64_t g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 2 * VL) {
+        vf acc[MAX_GROUP][2];
+        for (int64_t g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
         for (int64_t i = 0; i < n; i++) {
-            __m512 v0 = load16(vc, bf16, off[i] + c, 0xFFFF), v1 = load16(vc, bf16, off[i] + c + 16, 0xFFFF);
+            vf v0 = vload(vc, bf16, off[i] + c, VL), v1 = vload(vc, bf16, off[i] + c + VL, VL);
             for (int64_t g = 0; g < G; g++) {
-                __m512 w = _mm512_set1_ps(p[g * n + i]);
-                acc[g][0] = _mm512_fmadd_ps(v0, w, acc[g][0]);
-                acc[g][1] = _mm512_fmadd_ps(v1, w, acc[g][1]);
+                vf w = vset1(p[g * n + i]);
+                acc[g][0] = vfmadd(v0, w, acc[g][0]);
+                acc[g][1] = vfmadd(v1, w, acc[g][1]);
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            store16(out, bf16, g * d + c, acc[g][0], 0xFFFF);
-            store16(out, bf16, g * d + c + 16, acc[g][1], 0xFFFF);
+            vstore(out, bf16, g * d + c, acc[g][0], VL);
+            vstore(out, bf16, g * d + c + VL, acc[g][1], VL);
         }
     }
 }
@@ -93,8 +97,9 @@ void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int6
                                int64_t table_stride, const int64_t *seq_lens, int64_t window, float scale, void *out,
                                int nthreads) {
     int64_t group = hq / hk, esize = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t task = 0; task < num_seqs * hk; task++) {
+    int64_t tasks = num_seqs * hk;  /* no more threads than tasks: a lone decode runs on one */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(tasks < nthreads ? (int)tasks : nthreads)
+    for (int64_t task = 0; task < tasks; task++) {
         int64_t s = task / hk, h = task % hk, len = seq_lens[s];
         int64_t lo = window > 0 && len > window ? len - window : 0, n = len - lo;
         const int64_t *table = block_tables + s * table_stride;

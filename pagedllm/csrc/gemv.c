@@ -11,26 +11,23 @@
 static void quantize_rows_i16(const void *x, int bf16, int64_t m, int64_t k, float qmax, int16_t *xq, float *sx) {
     int64_t kp = KPAD(k);
     for (int64_t r = 0; r < m; r++) {
-        const void *row = bf16 ? (const void *)((const uint16_t *)x + r * k) : (const void *)((const float *)x + r * k);
-        __m512 amax = _mm512_setzero_ps();
-        __mmask16 nonfinite = 0;
-        for (int64_t i = 0; i < k; i += 16) {
-            __m512 v = _mm512_abs_ps(load16(row, bf16, i, tail16(k - i)));
-            nonfinite |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);  /* inf or NaN */
-            amax = _mm512_max_ps(amax, v);
+        const void *row = row_ptr(x, bf16, r * k);
+        vf amax = vzero();
+        vm nonfinite = vm_none();
+        for (int64_t i = 0; i < k; i += VL) {
+            vf v = vabs(vload(row, bf16, i, k - i));
+            nonfinite = vm_or(nonfinite, vge_or_nan(v, vset1(INFINITY)));  /* inf or NaN */
+            amax = vmax(amax, v);
         }
-        float a = _mm512_reduce_max_ps(amax);
+        float a = vhmax(amax);
         /* A row holding inf or NaN gets NaN outputs, as its float product would have
          * inf/NaN in it; quantizing it would hide that. */
-        sx[r] = nonfinite ? NAN : a > 0 ? a / qmax : 1.0f;
-        __m512 inv = _mm512_set1_ps(!nonfinite && a > 0 ? qmax / a : 0.0f);
+        int bad = vm_bits(nonfinite) != 0;
+        sx[r] = bad ? NAN : a > 0 ? a / qmax : 1.0f;
+        vf inv = vset1(!bad && a > 0 ? qmax / a : 0.0f);
         int16_t *out = xq + r * kp;
         memset(out, 0, kp * sizeof(int16_t));
-        for (int64_t i = 0; i < k; i += 16) {
-            __mmask16 m16 = tail16(k - i);
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row, bf16, i, m16), inv));
-            _mm256_mask_storeu_epi16(out + i, m16, _mm512_cvtsepi32_epi16(q));
-        }
+        for (int64_t i = 0; i < k; i += VL) vstore_i16(out + i, vmul(vload(row, bf16, i, k - i), inv), k - i);
     }
 }
 
@@ -39,24 +36,123 @@ static void quantize_rows_i16(const void *x, int bf16, int64_t m, int64_t k, flo
  * (Tiles of 4 weight rows, read side by side, ran at a third of the bandwidth here: the
  * hardware prefetchers follow 4 short interleaved streams poorly.) */
 
-/* Within a 4096-wide chunk a lane sums 256 products of at most 127 * 32767: ~1.07e9 < 2^31. */
-#define I8_CHUNK 4096
+/* Inputs per chunk for a dot-product instruction taking `per_op` inputs: each int32 lane then
+ * sums at most 256 products of 127 * 32767 (~1.07e9 < 2^31) before the chunk's sum moves to
+ * float32. */
+#define I8_CHUNK(per_op) (128 * (per_op))
 
+#ifdef PL_AVX512
+#ifdef __AVX512VNNI__
+#define DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
 INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
     for (int r = 0; r < M; r++) out[r] = 0.0f;
-    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK) {
-        int64_t k1 = k0 + I8_CHUNK < k ? k0 + I8_CHUNK : k;
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(32)) {
+        int64_t k1 = k0 + I8_CHUNK(32) < k ? k0 + I8_CHUNK(32) : k;
         __m512i acc[4];
         for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_si512();
         for (int64_t kk = k0; kk < k1; kk += 32) {
             __mmask32 m = k1 - kk >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k1 - kk)) - 1);
             __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, wrow + kk));
             for (int r = 0; r < M; r++)
-                acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_load_si512((const void *)(xq + r * kp + kk)), wv);
+                acc[r] = DPWSSD512(acc[r], _mm512_load_si512((const void *)(xq + r * kp + kk)), wv);
         }
         for (int r = 0; r < M; r++) out[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r]));
     }
 }
+#elif defined(PL_AVX2)
+#ifdef __AVXVNNI__
+#define DPWSSD256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define DPWSSD256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+/* 16 weights at a time: sign-extended to int16, then pairwise int16 products summed into
+ * int32 lanes (maddwd), exact. */
+INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
+    for (int r = 0; r < M; r++) out[r] = 0.0f;
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(16)) {
+        int64_t k1 = k0 + I8_CHUNK(16) < k ? k0 + I8_CHUNK(16) : k;
+        __m256i acc[4];
+        for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_si256();
+        for (int64_t kk = k0; kk < k1; kk += 16) {
+            __m128i w8;
+            if (k1 - kk >= 16) {
+                w8 = _mm_loadu_si128((const __m128i *)(wrow + kk));
+            } else {  /* the row's tail: never read past it */
+                int8_t buf[16] = {0};
+                memcpy(buf, wrow + kk, (size_t)(k1 - kk));
+                w8 = _mm_loadu_si128((const __m128i *)buf);
+            }
+            __m256i wv = _mm256_cvtepi8_epi16(w8);
+            for (int r = 0; r < M; r++)
+                acc[r] = DPWSSD256(acc[r], _mm256_load_si256((const __m256i *)(xq + r * kp + kk)), wv);
+        }
+        for (int r = 0; r < M; r++) out[r] += vhsum(_mm256_cvtepi32_ps(acc[r]));
+    }
+}
+#else
+INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
+    for (int r = 0; r < M; r++) {
+        int64_t acc = 0;
+        for (int64_t kk = 0; kk < k; kk++) acc += (int32_t)xq[r * kp + kk] * wrow[kk];
+        out[r] = (float)acc;
+    }
+}
+#endif
+
+#ifdef PL_AVX2
+/* The horizontal sums of acc[0..7] as one vector: hadd within 128-bit halves, so after two
+ * rounds half h of s0123 holds rows 0-3's sums of their lanes in half h. */
+INLINE __m256 hsum8(const __m256 *acc) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* One activation row (a batch-1 decode), 8 weight rows after one another (still one stream):
+ * their 8 sums are reduced together, a transpose of adds instead of 8 horizontal sums, and
+ * scaled and stored as one vector. Needs k <= I8_CHUNK(16). */
+INLINE __m256 w8_rows8_m1(const int16_t *xq, const int8_t *w, int64_t k) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) {
+        const int8_t *wrow = w + j * k;
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        int64_t kk = 0;
+        for (; kk + 32 <= k; kk += 32) {
+            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk))));
+            b = DPWSSD256(b, _mm256_load_si256((const __m256i *)(xq + kk + 16)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk + 16))));
+        }
+        for (; kk < k; kk += 16) {
+            int8_t buf[16] = {0};
+            memcpy(buf, wrow + kk, (size_t)(k - kk < 16 ? k - kk : 16));
+            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf)));
+        }
+        acc[j] = _mm256_add_ps(_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b));
+    }
+    return hsum8(acc);
+}
+
+static void w8_m1(const int16_t *xq, float sx, int64_t k, const int8_t *w, const uint16_t *w_scale, const void *bias,
+                  int64_t n, void *y, int y_bf16, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < n / 8; nb++) {
+        int64_t nn = nb * 8;
+        __m256 ws = bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(w_scale + nn)));
+        __m256 v = _mm256_mul_ps(w8_rows8_m1(xq, w + nn * k, k), _mm256_mul_ps(ws, _mm256_set1_ps(sx)));
+        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
+        vstore(y, y_bf16, nn, v, 8);
+    }
+    for (int64_t nn = n / 8 * 8; nn < n; nn++) {
+        float out;
+        w8_row(xq, KPAD(k), 1, w + nn * k, k, &out);
+        store1(y, y_bf16, nn, out * sx * bf16_scalar(w_scale[nn]) + (bias ? load1(bias, y_bf16, nn) : 0.0f));
+    }
+}
+#endif
 
 #define W8_ROW_M(MM) w8_row(xq + r0 * kp, kp, MM, wrow, k, out)
 
@@ -66,6 +162,14 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
     int16_t *xq = aligned_alloc(64, (size_t)(m * kp * sizeof(int16_t)));
     float *sx = malloc((size_t)m * sizeof(float));
     quantize_rows_i16(x, x_bf16, m, k, 32767.0f, xq, sx);
+#ifdef PL_AVX2
+    if (m == 1 && k <= I8_CHUNK(16)) {
+        w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
+        free(sx);
+        free(xq);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nn = 0; nn < n; nn++) {
         const int8_t *wrow = w + nn * k;
@@ -91,8 +195,9 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
  * input 64 + i (high nibble). sz: [n, k / g, 2] float32 (s, z - 8 s), so w = q * s + sz[1]. Needs k % 128 == 0 and
  * g % 128 == 0.
  * The activations, quantized to |xq| <= 127 * 256 - 128, are split as xq = 256 * x1 + x2 with
- * x1 in [-127, 127] and x2 in [-128, 127],
- * so both halves run as u8 (nibble) x s8 VNNI dot products, 64 per instruction. */
+ * x1 in [-127, 127] and x2 in [-128, 127], so both halves run as u8 (nibble) x s8 dot
+ * products: VNNI's vpdpbusd, or without VNNI vpmaddubsw (pairs of products, at most
+ * 2 * 15 * 128, so it never saturates) then vpmaddwd with ones. */
 
 static void split_rows_i8(const int16_t *xq, int64_t m, int64_t kp, int8_t *x1, int8_t *x2) {
     for (int64_t i = 0; i < m * kp; i++) {
@@ -102,37 +207,157 @@ static void split_rows_i8(const int16_t *xq, int64_t m, int64_t kp, int8_t *x1, 
     }
 }
 
-INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
-                   int64_t g, const float *xsum, int64_t groups, float *out) {
-    __m512 facc[4];
-    float fz[4];
-    for (int r = 0; r < M; r++) facc[r] = _mm512_setzero_ps(), fz[r] = 0.0f;
-    const __m512i lo_mask = _mm512_set1_epi8(0x0F);
-    for (int64_t gi = 0; gi < groups; gi++) {
-        __m512i a[4], b[4];
-        for (int r = 0; r < M; r++) a[r] = b[r] = _mm512_setzero_si512();
-        for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 128) {
-            __m512i v = _mm512_loadu_si512((const void *)(wrow + k0 / 2));
-            __m512i lo = _mm512_and_si512(v, lo_mask);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
-            for (int r = 0; r < M; r++) {
-                const int8_t *p1 = x1 + r * kp + k0, *p2 = x2 + r * kp + k0;
-                a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_load_si512((const void *)p1));
-                a[r] = _mm512_dpbusd_epi32(a[r], hi, _mm512_load_si512((const void *)(p1 + 64)));
-                b[r] = _mm512_dpbusd_epi32(b[r], lo, _mm512_load_si512((const void *)p2));
-                b[r] = _mm512_dpbusd_epi32(b[r], hi, _mm512_load_si512((const void *)(p2 + 64)));
-            }
-        }
-        float zb = sz[2 * gi + 1];
-        __m512 sv = _mm512_set1_ps(sz[2 * gi]);
+#if defined(PL_AVX512) || defined(PL_AVX2)
+#if defined(PL_AVX512)
+#define W4_BYTES 64
+typedef __m512i wvec;
+#define W4_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define W4_AND _mm512_and_si512
+#define W4_SRLI16 _mm512_srli_epi16
+#define W4_SET1_8 _mm512_set1_epi8
+#define W4_ZERO _mm512_setzero_si512
+#define W4_ADD32 _mm512_add_epi32
+#define W4_SLLI32 _mm512_slli_epi32
+#ifdef __AVX512VNNI__
+#define DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#else
+#define DPBUSD(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+#endif
+#define W4_CVT _mm512_cvtepi32_ps
+#else
+#define W4_BYTES 32
+typedef __m256i wvec;
+#define W4_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define W4_AND _mm256_and_si256
+#define W4_SRLI16 _mm256_srli_epi16
+#define W4_SET1_8 _mm256_set1_epi8
+#define W4_ZERO _mm256_setzero_si256
+#define W4_ADD32 _mm256_add_epi32
+#define W4_SLLI32 _mm256_slli_epi32
+#ifdef __AVXVNNI__
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+/* u8 nibbles x s8: pairs of products (at most 2 * 15 * 128) fit int16 without saturating */
+#define DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+#define W4_CVT _mm256_cvtepi32_ps
+#endif
+
+/* A 128-input block is 64 bytes; a vector of W4_BYTES of it holds, in its low nibbles, inputs
+ * [j, j + W4_BYTES) and in its high ones inputs [64 + j, 64 + j + W4_BYTES), j = its offset. */
+#if defined(PL_AVX2) && !defined(__AVXVNNI__)
+/* Without VNNI: a block's 4 vpmaddubsw results (each pair at most 2 * 15 * 128 = 3840) add up
+ * in int16 (at most 15360) before one vpmaddwd widens them: half the multiplies. */
+INLINE void w4_block(__m256i *a, __m256i *b, int M, const uint8_t *wb, const int8_t *x1, const int8_t *x2, int64_t kp,
+                     __m256i lo_mask) {
+    __m256i v0 = _mm256_loadu_si256((const __m256i *)wb), v1 = _mm256_loadu_si256((const __m256i *)(wb + 32));
+    __m256i l0 = _mm256_and_si256(v0, lo_mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
+    __m256i l1 = _mm256_and_si256(v1, lo_mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
+#define W4_SUM16(p)                                                                                                 \
+    _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)(p))),          \
+                                      _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)((p) + 64)))),   \
+                     _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)((p) + 32))),   \
+                                      _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)((p) + 96)))))
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < M; r++) {
+        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(W4_SUM16(x1 + r * kp), ones));
+        b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(W4_SUM16(x2 + r * kp), ones));
+    }
+#undef W4_SUM16
+}
+#else
+INLINE void w4_block(wvec *a, wvec *b, int M, const uint8_t *wb, const int8_t *x1, const int8_t *x2, int64_t kp,
+                     wvec lo_mask) {
+    for (int j = 0; j < 64; j += W4_BYTES) {
+        wvec v = W4_LOAD(wb + j);
+        wvec lo = W4_AND(v, lo_mask), hi = W4_AND(W4_SRLI16(v, 4), lo_mask);
         for (int r = 0; r < M; r++) {
-            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(a[r], 8), b[r]);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, facc[r]);
+            const int8_t *p1 = x1 + r * kp + j, *p2 = x2 + r * kp + j;
+            a[r] = DPBUSD(a[r], lo, W4_LOAD(p1));
+            a[r] = DPBUSD(a[r], hi, W4_LOAD(p1 + 64));
+            b[r] = DPBUSD(b[r], lo, W4_LOAD(p2));
+            b[r] = DPBUSD(b[r], hi, W4_LOAD(p2 + 64));
+        }
+    }
+}
+#endif
+
+/* facc[r]'s lanes sum to row r's dot product, less the zero point's term fz[r]. */
+INLINE void w4_row_parts(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
+                         int64_t g, const float *xsum, int64_t groups, vf *facc, float *fz) {
+    for (int r = 0; r < M; r++) facc[r] = vzero(), fz[r] = 0.0f;
+    const wvec lo_mask = W4_SET1_8(0x0F);
+    for (int64_t gi = 0; gi < groups; gi++) {
+        wvec a[4], b[4];
+        for (int r = 0; r < M; r++) a[r] = b[r] = W4_ZERO();
+        for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 128)
+            w4_block(a, b, M, wrow + k0 / 2, x1 + k0, x2 + k0, kp, lo_mask);
+        vf sv = vset1(sz[2 * gi]);
+        float zb = sz[2 * gi + 1];
+        for (int r = 0; r < M; r++) {  /* d = 256 * (x1 . q) + (x2 . q), lane by lane */
+            facc[r] = vfmadd(W4_CVT(W4_ADD32(W4_SLLI32(a[r], 8), b[r])), sv, facc[r]);
             fz[r] += zb * xsum[r * groups + gi];
         }
     }
-    for (int r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(facc[r]) + fz[r];
 }
+
+INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
+                   int64_t g, const float *xsum, int64_t groups, float *out) {
+    vf facc[4];
+    float fz[4];
+    w4_row_parts(x1, x2, kp, M, wrow, sz, g, xsum, groups, facc, fz);
+    for (int r = 0; r < M; r++) out[r] = vhsum(facc[r]) + fz[r];
+}
+
+#ifdef PL_AVX2
+/* One activation row, 8 weight rows at a time, their sums reduced as one vector (as w8_m1). */
+static void w4_m1(const int8_t *x1, const int8_t *x2, int64_t kp, const uint8_t *w, const float *sz, int64_t g,
+                  const float *xsum, int64_t k, float sx, const void *bias, int64_t n, void *y, int y_bf16,
+                  int nthreads) {
+    int64_t groups = k / g;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < n / 8; nb++) {
+        int64_t nn = nb * 8;
+        __m256 acc[8];
+        float fz[8];
+        for (int j = 0; j < 8; j++)
+            w4_row_parts(x1, x2, kp, 1, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, &acc[j],
+                         &fz[j]);
+        __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc), _mm256_loadu_ps(fz)), _mm256_set1_ps(sx));
+        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
+        vstore(y, y_bf16, nn, v, 8);
+    }
+    for (int64_t nn = n / 8 * 8; nn < n; nn++) {
+        float out;
+        w4_row(x1, x2, kp, 1, w + nn * (k / 2), sz + nn * groups * 2, g, xsum, groups, &out);
+        store1(y, y_bf16, nn, out * sx + (bias ? load1(bias, y_bf16, nn) : 0.0f));
+    }
+}
+#endif
+#else
+INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
+                   int64_t g, const float *xsum, int64_t groups, float *out) {
+    float facc[4], fz[4];
+    int64_t d[4];
+    for (int r = 0; r < M; r++) facc[r] = fz[r] = 0.0f;
+    for (int64_t gi = 0; gi < groups; gi++) {
+        for (int r = 0; r < M; r++) d[r] = 0;
+        for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 128)
+            for (int i = 0; i < 64; i++) {
+                int lo = wrow[k0 / 2 + i] & 0x0F, hi = wrow[k0 / 2 + i] >> 4;
+                for (int r = 0; r < M; r++) {
+                    const int8_t *p1 = x1 + r * kp + k0, *p2 = x2 + r * kp + k0;
+                    d[r] += 256 * (lo * p1[i] + hi * p1[64 + i]) + lo * p2[i] + hi * p2[64 + i];
+                }
+            }
+        for (int r = 0; r < M; r++) {
+            facc[r] += (float)d[r] * sz[2 * gi];
+            fz[r] += sz[2 * gi + 1] * xsum[r * groups + gi];
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = facc[r] + fz[r];
+}
+#endif
 
 #define W4_ROW_M(MM) w4_row(x1 + r0 * kp, x2 + r0 * kp, kp, MM, wrow, sz + nn * groups * 2, g, xsum + r0 * groups, groups, out)
 
@@ -151,8 +376,14 @@ void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint
             for (int64_t i = gi * g; i < (gi + 1) * g; i++) s += xq[r * kp + i];
             xsum[r * groups + gi] = (float)s;
         }
+#ifdef PL_AVX2
+    if (m == 1) {
+        w4_m1(x1, x2, kp, w, sz, g, xsum, k, sx[0], bias, n, y, y_bf16, nthreads);
+        m = 0;  /* done: skip the general loop, free below */
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nn = 0; nn < n; nn++) {
+    for (int64_t nn = 0; nn < (m ? n : 0); nn++) {
         const uint8_t *wrow = w + nn * (k / 2);
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
             float out[4];

@@ -12,29 +12,22 @@ void pl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t inner, int64
                  int bf16, const float *w, float eps, int gemma, const void *residual, void *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(rows >= 16 ? nthreads : 1)
     for (int64_t r = 0; r < rows; r++) {
-        int64_t base = (r / inner) * stride_outer + (r % inner) * stride_inner;
-        const void *row = bf16 ? (const void *)((const uint16_t *)x + base) : (const void *)((const float *)x + base);
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t c = 0; c < cols; c += 16) {
-            __m512 v = load16(row, bf16, c, tail16(cols - c));
-            ss = _mm512_fmadd_ps(v, v, ss);
+        const void *row = row_ptr(x, bf16, (r / inner) * stride_outer + (r % inner) * stride_inner);
+        vf ss = vzero();
+        for (int64_t c = 0; c < cols; c += VL) {
+            vf v = vload(row, bf16, c, cols - c);
+            ss = vfmadd(v, v, ss);
         }
-        __m512 rs = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)cols + eps));
-        for (int64_t c = 0; c < cols; c += 16) {
-            __mmask16 m = tail16(cols - c);
-            __m512 v = _mm512_mul_ps(load16(row, bf16, c, m), rs);
-            __m512 wv = _mm512_maskz_loadu_ps(m, w + c);
-            if (gemma) {
-                v = _mm512_mul_ps(v, wv);
-            } else {
-                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
-                v = _mm512_mul_ps(v, wv);
-            }
+        vf rs = vset1(1.0f / sqrtf(vhsum(ss) / (float)cols + eps));
+        for (int64_t c = 0; c < cols; c += VL) {
+            vf v = vmul(vload(row, bf16, c, cols - c), rs);
+            if (!gemma && bf16) v = vround_bf16(v);
+            v = vmul(v, vloadf(w + c, cols - c));
             if (residual) {
-                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
-                v = _mm512_add_ps(v, load16(residual, bf16, r * cols + c, m));
+                if (bf16) v = vround_bf16(v);
+                v = vadd(v, vload(residual, bf16, r * cols + c, cols - c));
             }
-            store16(out, bf16, r * cols + c, v, m);
+            vstore(out, bf16, r * cols + c, v, cols - c);
         }
     }
 }
@@ -58,62 +51,50 @@ void pl_qk_norm_rope(const void *qkv, int bf16, int64_t T, int64_t row_stride, i
         void *dst = is_q ? q_out : k_out;
         int64_t at = is_q ? (t * hq + h) * d : (t * hk + h - hq) * d, src = t * row_stride + h * d;
         float y[1024];
-        for (int64_t c = 0; c < d; c += 16) _mm512_mask_storeu_ps(y + c, tail16(d - c), load16(qkv, bf16, src + c, tail16(d - c)));
+        for (int64_t c = 0; c < d; c += VL) vstoref(y + c, vload(qkv, bf16, src + c, d - c), d - c);
         if (w) {
-            __m512 ss = _mm512_setzero_ps();
-            for (int64_t c = 0; c < d; c += 16) {
-                __m512 v = _mm512_maskz_loadu_ps(tail16(d - c), y + c);
-                ss = _mm512_fmadd_ps(v, v, ss);
+            vf ss = vzero();
+            for (int64_t c = 0; c < d; c += VL) {
+                vf v = vloadf(y + c, d - c);
+                ss = vfmadd(v, v, ss);
             }
-            __m512 rs = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)d + eps));
-            for (int64_t c = 0; c < d; c += 16) {
-                __mmask16 m = tail16(d - c);
-                __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + c), rs);
-                if (!gemma && bf16) v = bf16_to_f32(f32_to_bf16(v));
-                v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + c));
-                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
-                _mm512_mask_storeu_ps(y + c, m, v);
+            vf rs = vset1(1.0f / sqrtf(vhsum(ss) / (float)d + eps));
+            for (int64_t c = 0; c < d; c += VL) {
+                vf v = vmul(vloadf(y + c, d - c), rs);
+                if (!gemma && bf16) v = vround_bf16(v);
+                v = vmul(v, vloadf(w + c, d - c));
+                if (bf16) v = vround_bf16(v);
+                vstoref(y + c, v, d - c);
             }
         }
         const float *cs = cos_cache + positions[t] * rot, *sn = sin_cache + positions[t] * rot;
-        for (int64_t c = 0; c < half; c += 16) {
-            __m512 a = _mm512_loadu_ps(y + c), b = _mm512_loadu_ps(y + half + c);
-            store16(dst, bf16, at + c,
-                    _mm512_fnmadd_ps(b, _mm512_loadu_ps(sn + c), _mm512_mul_ps(a, _mm512_loadu_ps(cs + c))), 0xFFFF);
-            store16(dst, bf16, at + half + c,
-                    _mm512_fmadd_ps(a, _mm512_loadu_ps(sn + half + c), _mm512_mul_ps(b, _mm512_loadu_ps(cs + half + c))),
-                    0xFFFF);
+        for (int64_t c = 0; c < half; c += VL) {
+            vf a = vloadf(y + c, VL), b = vloadf(y + half + c, VL);
+            vstore(dst, bf16, at + c, vfnmadd(b, vloadf(sn + c, VL), vmul(a, vloadf(cs + c, VL))), VL);
+            vstore(dst, bf16, at + half + c, vfmadd(a, vloadf(sn + half + c, VL), vmul(b, vloadf(cs + half + c, VL))),
+                   VL);
         }
-        for (int64_t c = rot; c < d; c += 16) store16(dst, bf16, at + c, _mm512_maskz_loadu_ps(tail16(d - c), y + c), tail16(d - c));
+        for (int64_t c = rot; c < d; c += VL) vstore(dst, bf16, at + c, vloadf(y + c, d - c), d - c);
     }
 }
-/* ---------- gated activations: out = act(gate) * up over rows of [gate | up] ----------
- * act 0: SiLU, x / (1 + e^-x); act 1: GELU, tanh approximation. Float32 inside, one rounding
- * at the end (torch rounds act(gate) before the multiply in bf16). */
 
-/* 1 / (1 + e^-x): reciprocal estimate plus one Newton step (~1 ulp), not a division. */
-INLINE __m512 sigmoid512(__m512 x) {
-    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-    __m512 r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_OQ), r);
-}
+/* ---------- gated activations: out = act(gate) * up over rows of [gate | up] ----------
+ * act 0: SiLU, x / (1 + e^-x); act 1: GELU, tanh approximation, as g * sigmoid(2t) with
+ * t = k (g + 0.044715 g^3). Float32 inside, one rounding at the end (torch rounds act(gate)
+ * before the multiply in bf16). */
 
 void pl_act_and_mul(const void *x, int bf16, int64_t rows, int64_t d, int act, void *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(rows * d >= 65536 ? nthreads : 1)
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < d; c += 16) {
-            __mmask16 m = tail16(d - c);
-            __m512 g = load16(x, bf16, r * 2 * d + c, m), u = load16(x, bf16, r * 2 * d + d + c, m), s;
+        for (int64_t c = 0; c < d; c += VL) {
+            vf g = vload(x, bf16, r * 2 * d + c, d - c), u = vload(x, bf16, r * 2 * d + d + c, d - c), s;
             if (act == 0) {
-                s = sigmoid512(g);  /* silu(g) = g * sigmoid(g) */
+                s = vsigmoid(g);
             } else {
-                /* gelu_tanh(g) = 0.5 g (1 + tanh(t)) = g * sigmoid(2t), t = k (g + 0.044715 g^3) */
-                __m512 t = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                         _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-                s = sigmoid512(_mm512_add_ps(t, t));
+                vf t = vmul(vset1(0.7978845608028654f), vfmadd(vmul(vset1(0.044715f), g), vmul(g, g), g));
+                s = vsigmoid(vadd(t, t));
             }
-            store16(out, bf16, r * d + c, _mm512_mul_ps(_mm512_mul_ps(g, s), u), m);
+            vstore(out, bf16, r * d + c, vmul(vmul(g, s), u), d - c);
         }
     }
 }

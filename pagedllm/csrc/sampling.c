@@ -2,7 +2,7 @@
 #include "common.h"
 
 /* ---------- top-k indices per row (any order) ----------
- * A k-entry min-heap per row; the scan compares 16 values at a time against the heap's
+ * A k-entry min-heap per row; the scan compares a vector of values at a time against the heap's
  * minimum, so only the rare values that beat it cost more than a compare. Among equal
  * values the earlier index is kept. NaN is never selected. */
 
@@ -21,7 +21,7 @@ INLINE void heap_sift_down(float *val, int64_t *idx, int64_t k, int64_t i) {
 void pl_topk_indices(const void *x, int bf16, int64_t rows, int64_t n, int64_t k, int64_t *out, int nthreads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t r = 0; r < rows; r++) {
-        const void *row = bf16 ? (const void *)((const uint16_t *)x + r * n) : (const void *)((const float *)x + r * n);
+        const void *row = row_ptr(x, bf16, r * n);
         float *val = malloc((size_t)k * sizeof(float));
         int64_t *idx = out + r * k;
         for (int64_t i = 0; i < k; i++) {
@@ -29,9 +29,8 @@ void pl_topk_indices(const void *x, int bf16, int64_t rows, int64_t n, int64_t k
             val[i] = v != v ? -INFINITY : v, idx[i] = i;
         }
         for (int64_t i = k / 2 - 1; i >= 0; i--) heap_sift_down(val, idx, k, i);
-        for (int64_t i = k; i < n; i += 16) {
-            __mmask16 m = _mm512_mask_cmp_ps_mask(tail16(n - i), load16(row, bf16, i, tail16(n - i)),
-                                                  _mm512_set1_ps(val[0]), _CMP_GT_OQ);
+        for (int64_t i = k; i < n; i += VL) {
+            unsigned m = vm_bits(vm_and(vm_tail(n - i), vgt(vload(row, bf16, i, n - i), vset1(val[0]))));
             while (m) {
                 int j = __builtin_ctz(m);
                 m &= m - 1;
@@ -55,12 +54,10 @@ void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t rj = 0; rj < rows * k; rj++) {
         int64_t r = rj / k, id = idx[rj];
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < dim; c += 16) {
-            __mmask16 m = tail16(dim - c);
-            acc = _mm512_fmadd_ps(load16(hidden, h_bf16, r * dim + c, m), load16(weight, w_bf16, id * dim + c, m), acc);
-        }
-        store1(logits, l_bf16, r * vocab + id, _mm512_reduce_add_ps(acc));
+        vf acc = vzero();
+        for (int64_t c = 0; c < dim; c += VL)
+            acc = vfmadd(vload(hidden, h_bf16, r * dim + c, dim - c), vload(weight, w_bf16, id * dim + c, dim - c), acc);
+        store1(logits, l_bf16, r * vocab + id, vhsum(acc));
     }
 }
 
@@ -72,29 +69,28 @@ void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim
 void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t stride, int64_t *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(rows * n >= 65536 ? nthreads : 1)
     for (int64_t r = 0; r < rows; r++) {
-        const void *row = bf16 ? (const void *)((const uint16_t *)x + r * stride) : (const void *)((const float *)x + r * stride);
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i at = _mm512_setzero_si512(), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __mmask16 nan = 0;
+        const void *row = row_ptr(x, bf16, r * stride);
+        vf best = vset1(-INFINITY);
+        vi at = vi_zero();
+        vm nan = vm_none();
         int64_t i = 0;
-        for (; i < n && i < ((int64_t)1 << 31) - 16; i += 16) {
-            __mmask16 m = tail16(n - i);
-            __m512 v = load16(row, bf16, i, m);
-            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-            __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
-            best = _mm512_mask_mov_ps(best, gt, v);
-            at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(iota, _mm512_set1_epi32((int)i)));
+        for (; i < n && i < ((int64_t)1 << 31) - VL; i += VL) {
+            vm m = vm_tail(n - i);
+            vf v = vload(row, bf16, i, n - i);
+            nan = vm_or(nan, vm_and(m, visnan(v)));
+            vm gt = vm_and(m, vgt(v, best));
+            best = vsel(gt, v, best);
+            at = vi_sel(gt, vi_iota((int32_t)i), at);
         }
         int64_t result = 0;
-        if (nan) {
+        if (vm_bits(nan)) {
             for (int64_t j = 0; j < n; j++) {
                 float v = load1(row, bf16, j);
                 if (v != v) { result = j; break; }
             }
         } else {
-            float mx = _mm512_reduce_max_ps(best);
-            __mmask16 is_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ);
-            if (is_max) result = _mm512_mask_reduce_min_epi32(is_max, at);
+            vm is_max = veq(best, vset1(vhmax(best)));
+            if (vm_bits(is_max)) result = vi_min_where(is_max, at);
         }
         out[r] = result;
     }

@@ -124,7 +124,7 @@ def _kernels() -> str:
     lib = cpu_kernels.kernels()
     if lib is None:
         return f"not built (CPU ISA {cpu_isa.selected()}): torch ops; the log line above says why"
-    return f"built for {cpu_isa.selected()}: {getattr(lib, '_name', '?')}"
+    return f"{cpu_kernels.describe(lib.pl_isa)} path: {getattr(lib, '_name', '?')}"
 
 
 def _cuda() -> str:

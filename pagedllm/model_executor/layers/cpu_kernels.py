@@ -3,12 +3,14 @@ RMSNorm, q/k norm + rotary, gated activations, and top-k / argmax over the logit
 decode steps where torch's ops run far below memory bandwidth or cost more in per-op
 overhead than in work (docs/performance.md).
 
-The C files are compiled on first use with the system's gcc for this CPU (`-march=native`,
-~2 s) into one library in a cache directory keyed by the sources, the flags, the compiler,
-the CPU and the instruction set level (`pagedllm.cpu_isa`), and loaded with ctypes, which
-drops the GIL for the call. Without gcc, on a CPU without AVX-512 VNNI, at a level below
-AVX-512 (an AVX2-only CPU, or PAGEDLLM_CPU_ISA=avx2), or with PAGEDLLM_CPU_KERNELS=0,
-`kernels()` is None and every caller keeps its torch path.
+The C files are written once over a small vector vocabulary (csrc/vec.h) and compiled on
+first use with the system's gcc (~2 s) for the instruction set level `pagedllm.cpu_isa`
+selects, with that level's flags: AVX-512 (with VNNI and BF16 where the CPU has them),
+AVX2 + FMA (with AVX-VNNI where the CPU has it), or portable C. The library goes to a cache
+directory keyed by the sources, the flags, the compiler, the CPU and the level, and is loaded
+with ctypes, which drops the GIL for the call. `PAGEDLLM_CPU_ISA=avx2` on an AVX-512 machine
+runs the AVX2 build. Without gcc, or with PAGEDLLM_CPU_KERNELS=0, `kernels()` is None and
+every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pagedllm import cpu_isa
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "pl_w8a16_linear": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
@@ -43,11 +45,35 @@ _SIGNATURES = {
     "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
     "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
 }
-# The `cpu_isa` levels csrc/ has code for.
-_KERNEL_ISAS = ("avx512",)
+_X86_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_X86_AVX512 = [*_X86_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _STALE_SECONDS = 24 * 3600
 _UNSET = object()
 _lib: ctypes.CDLL | None | object = _UNSET
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of one `cpu_isa` level. The optional extensions (VNNI, BF16) come
+    from what the CPU reports; a level capped below the CPU's own (PAGEDLLM_CPU_ISA) leaves
+    out the extensions that belong to the higher level."""
+    flags = cpu_isa.cpu_flags()
+    if isa == "avx512":
+        extra = [f for name, f in (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16")) if name in flags]
+        return _X86_AVX512 + extra
+    if isa == "avx2":
+        return _X86_AVX2 + (["-mavxvnni"] if "avx_vnni" in flags and not cpu_isa.capped() else [])
+    if isa == "generic":
+        return ["-Wno-psabi"]  # GCC vector extensions: SSE2 on x86-64, NEON on aarch64
+    raise ValueError(f"no kernels for CPU ISA level {isa!r}")
+
+
+def describe(isa: str) -> str:
+    """The path a level's build runs, in words, for logs and `collect-env`."""
+    names = {"-mavx512vnni": "VNNI", "-mavx512bf16": "BF16", "-mavxvnni": "AVX-VNNI"}
+    extras = [names[f] for f in isa_flags(isa) if f in names]
+    base = {"avx512": "AVX-512", "avx2": "AVX2+FMA", "generic": "portable C"}[isa]
+    return base + (f" ({', '.join(extras)})" if extras else "")
 
 
 def _cache_dir() -> Path:
@@ -67,7 +93,7 @@ def _cpu_id() -> str:
 def _build(isa: str) -> ctypes.CDLL:
     cc = os.environ.get("CC", "gcc")
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
-    flags = _FLAGS + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
+    flags = _FLAGS + isa_flags(isa) + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     sources = sorted(_SOURCE_DIR.glob("*.c"))
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
@@ -89,6 +115,7 @@ def _build(isa: str) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.pl_isa = isa
     return lib
 
 
@@ -115,17 +142,31 @@ def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
             pass
 
 
+def load(isa: str) -> ctypes.CDLL:
+    """The kernel library built for one level (once per process; raises where it cannot be
+    built). Tests load every level the CPU can run; the engine uses `kernels()`."""
+    if isa not in _loaded:
+        _loaded[isa] = _build(isa)
+    return _loaded[isa]
+
+
+def runnable_isas() -> list[str]:
+    """The levels this CPU can run, highest first, as far as `PAGEDLLM_CPU_ISA` allows."""
+    top = cpu_isa.LEVELS.index(cpu_isa.selected())
+    return list(reversed(cpu_isa.LEVELS[: top + 1]))
+
+
 def kernels() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first call; None where it cannot be used."""
+    """The loaded kernel library for the selected level, built on first call; None where it
+    cannot be built or is turned off (PAGEDLLM_CPU_KERNELS=0)."""
     global _lib
     if _lib is _UNSET:
         _lib = None
         isa = cpu_isa.selected()
-        if isa not in _KERNEL_ISAS:
-            logger.info("CPU kernels need %s, this CPU runs at %s: using torch ops", " or ".join(_KERNEL_ISAS), isa)
-        elif os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
             try:
                 _lib = _build(isa)
+                logger.info("CPU kernels: %s path", describe(isa))
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
                 logger.info("CPU kernels unavailable, using torch ops: %s", detail.strip().splitlines()[-1:])

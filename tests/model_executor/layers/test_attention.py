@@ -3,8 +3,8 @@
 Blocks are scattered at random over the cache, sequences have different lengths, and the
 batches mix decodes with prefill chunks that have cached context, so the block tables,
 the slot mapping and the sliding-window block skipping are all exercised. Every test runs
-twice: decodes through pagedllm's C kernel (the torch path where it is not built, asserted),
-and through the torch path.
+through the torch path and through each build of pagedllm's C kernel this CPU can run (the
+torch path where none is built, asserted).
 """
 
 from __future__ import annotations
@@ -16,20 +16,24 @@ from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.attention import Attention, decode_view
 from pagedllm.worker.step_inputs import prepare_inputs
+from tests.model_executor.layers.conftest import kernel_levels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 4
 SCALE = 0.3
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
+@pytest.fixture(autouse=True, params=["torch", *kernel_levels()])
 def decode_calls(request, monkeypatch):
-    """Runs the test on one decode path; yields a check of the C kernel calls made."""
+    """Runs the test on one decode path (torch's, or each C kernel build); yields a check of
+    the C kernel calls made."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    elif request.param is not None:
+        monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels.load(request.param))
     kernel = cpu_kernels.paged_decode_attention
     monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or kernel(*a))
-    expected = request.param == "kernel" and cpu_kernels.kernels() is not None
+    expected = request.param != "torch" and cpu_kernels.kernels() is not None
 
     def check(batches: int) -> None:
         """One kernel call per decode batch where the kernel runs; none where the torch path does."""

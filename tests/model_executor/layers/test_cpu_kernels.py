@@ -1,10 +1,11 @@
 """pagedllm's C kernels against float64 references: int8 / int4 weight-only GEMMs (odd
 shapes, bias, both float dtypes) and their row independence. Attention and RMSNorm are
-tested through their layers (test_attention.py, test_layernorm.py).
+tested through their layers (test_attention.py, test_layernorm.py). Every test runs once per
+instruction-set build the CPU can run (conftest.py's `kernel_isa`).
 
-Where the kernels are not built (below AVX-512 VNNI, PAGEDLLM_CPU_ISA=avx2, no gcc), each test
-runs the torch path the engine takes there on the same inputs, checks that it did, and holds
-it to what torch's kernels promise (bf16 activations; no exact zeros from saturated gates)."""
+Where the kernels are not built (no gcc), each test runs the torch path the engine takes
+there on the same inputs, checks that it did, and holds it to what torch's kernels promise
+(bf16 activations; no exact zeros from saturated gates)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pagedllm.model_executor.layers import quantization as qz
 from pagedllm.model_executor.layers.activation import get_act_and_mul
 
 KERNELS = cpu_kernels.kernels() is not None
+pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 
 def _rand(*shape, seed=0, scale=1.0):

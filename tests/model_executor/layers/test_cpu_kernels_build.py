@@ -1,6 +1,6 @@
-"""Building and loading pagedllm's C kernels: cached by source, flags, CPU and instruction set
-level; and where they cannot be built (no compiler, a failing one, turned off, a level below
-AVX-512), `kernels()` is None and the layers use torch."""
+"""Building and loading pagedllm's C kernels: one build per instruction set level, with that
+level's flags; cached by source, flags, CPU and level; and where they cannot be built (no
+compiler, a failing one, turned off), `kernels()` is None and the layers use torch."""
 
 from __future__ import annotations
 
@@ -55,26 +55,50 @@ def test_turned_off_or_failing_compiler_means_torch_paths(fresh, monkeypatch, tm
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 @pytest.mark.parametrize("level", ["avx2", "generic"])
-def test_below_avx512_nothing_is_built(level, fresh, monkeypatch, tmp_path):
-    """An AVX2-only CPU, or PAGEDLLM_CPU_ISA capping an AVX-512 one: the compiler never runs."""
+def test_each_level_builds_with_its_own_flags(level, fresh, monkeypatch, tmp_path):
+    """An AVX2-only CPU, or PAGEDLLM_CPU_ISA capping an AVX-512 one: the kernels are built for
+    that level, without a single AVX-512 flag (nor -march=native, which would bring them)."""
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", level)
     cc, log = _recording_cc(tmp_path)
     monkeypatch.setenv("CC", str(cc))
-    assert cpu_isa.selected() == level and cpu_kernels.kernels() is None
-    assert not log.exists() and not fresh.exists()
+    if cpu_isa.detected() == "generic" and level == "avx2":
+        pytest.skip("this CPU has no AVX2")
+    lib = cpu_kernels.kernels()
+    assert cpu_isa.selected() == level and lib is not None and lib.pl_isa == level
+    (built,) = fresh.glob("*.so")
+    assert built.name.startswith(f"cpu_kernels-{level}-")
+    (compile_line,) = [line for line in log.read_text().splitlines() if "--version" not in line]
+    assert "avx512" not in compile_line and "-march" not in compile_line
+    assert ("-mavx2" in compile_line) == (level == "avx2")
+    # it runs: one RMSNorm through the level's build
+    x = torch.randn(3, 40)
+    out = GemmaRMSNorm(40)(x)
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_levels_and_their_paths(monkeypatch):
+    """What `collect-env` and the start-up log name: the level and its extensions."""
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni"}))
+    monkeypatch.setattr(cpu_isa, "capped", lambda: False)
+    assert cpu_kernels.describe("avx512") == "AVX-512 (VNNI)"
+    assert cpu_kernels.describe("avx2") == "AVX2+FMA (AVX-VNNI)"
+    assert cpu_kernels.describe("generic") == "portable C"
+    monkeypatch.setattr(cpu_isa, "capped", lambda: True)  # PAGEDLLM_CPU_ISA=avx2 on this CPU
+    assert cpu_kernels.describe("avx2") == "AVX2+FMA"
+    monkeypatch.setattr(cpu_isa, "selected", lambda: "avx2")
+    assert cpu_kernels.runnable_isas() == ["avx2", "generic"]
+    with pytest.raises(ValueError, match="no kernels"):
+        cpu_kernels.isa_flags("sse9")
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
-    """Also where this CPU cannot run the kernels: they are built for AVX-512 explicitly, and
-    only loaded (never called) here."""
-    base = ""
-    if cpu_kernels.kernels() is None:
-        monkeypatch.setattr(cpu_isa, "selected", lambda: "avx512")
-        base = "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16 "
-        monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base)
-        assert _reload(monkeypatch) is not None
+    """At AVX-512, also where this CPU cannot run that build: it is built with explicit flags,
+    and only loaded (never called) here."""
+    monkeypatch.setattr(cpu_isa, "selected", lambda: "avx512")
+    assert _reload(monkeypatch) is not None
     (built,) = fresh.glob("*.so")
     assert built.name.startswith("cpu_kernels-avx512-")
     assert built.stat().st_mode & 0o444 == 0o444  # readable by others sharing the cache
@@ -82,12 +106,12 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     assert _reload(monkeypatch) is not None
     assert list(fresh.glob("*.so")) == [built] and built.stat().st_mtime_ns == stamp
     # other flags are another build; the first stays until it has gone unused for a day
-    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base + "-DPAGEDLLM_TEST_FLAG")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG")
     assert _reload(monkeypatch) is not None
     assert len(list(fresh.glob("*.so"))) == 2
     day_ago = time.time() - 2 * 24 * 3600
     os.utime(built, (day_ago, day_ago))
-    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", base + "-DPAGEDLLM_TEST_FLAG=2")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-DPAGEDLLM_TEST_FLAG=2")
     assert _reload(monkeypatch) is not None
     names = {p.name for p in fresh.glob("*.so")}
     assert built.name not in names and len(names) == 2

@@ -145,6 +145,8 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert resolve_quantization(None, out, cpu, bf16) == GGUF_CPU_QUANTIZATION
     assert resolve_quantization(None, out, cpu, torch.float32) is None  # float32 asks for full precision
+    assert resolve_quantization(None, out, cpu, "float32") is None
+    assert resolve_quantization(None, out, cpu, "auto") == GGUF_CPU_QUANTIZATION  # float32 or bf16 by the CPU
     assert resolve_quantization(None, out, torch.device("cuda"), bf16) is None
     assert resolve_quantization("none", out, cpu, bf16) is None
     assert resolve_quantization("int8", out, cpu, torch.float32) == "int8"
