@@ -28,11 +28,12 @@ INLINE vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 INLINE vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 
+/* ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): the order gemv.c's hsum8 adds 8 rows'
+ * lanes in, so a row's sum does not depend on which of the two computed it. */
 INLINE float vhsum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(a, a);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
 INLINE float vhmax(vf a) {

@@ -167,16 +167,19 @@ class DynamicInt8Quant(nn.Module):
     row quantized with its own scale (so a row's result never depends on the rows batched with
     it), multiplied by oneDNN's prepacked u8 x s8 GEMM with int32 accumulation."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor | None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """From the float `weight`, or from its `quantized` (int8 weight, bf16 scale) as
+        `int8_weight()` returned them (a cached copy)."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # Without VNNI, oneDNN adds pairs of u8 x s8 products in saturating int16: weights up to
-        # 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head).
-        self.qmax = 127 if cpu_isa.has_vnni() else 64
-        # Quantized in slices to bound temporaries, then packed for oneDNN.
-        rows = range(0, self.out_features, _CHUNK_ROWS)
-        parts = [quantize_int8(weight[i : i + _CHUNK_ROWS], self.qmax) for i in rows]
-        qweight, scale = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+        if quantized is None:
+            # Quantized in slices to bound temporaries, then packed for oneDNN.
+            rows = range(0, weight.shape[0], _CHUNK_ROWS)
+            parts = [quantize_int8(weight[i : i + _CHUNK_ROWS], self.weight_qmax()) for i in rows]
+            quantized = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+        qweight, scale = quantized
+        self.out_features, self.in_features = qweight.shape
+        self.qmax = self.weight_qmax()
+        self._int8 = quantized  # kept until `int8_weight` hands it over (e.g. to a cache)
         self.nbytes = qweight.numel() + 4 * scale.numel()
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())
@@ -184,6 +187,19 @@ class DynamicInt8Quant(nn.Module):
         # bf16 halves the output's bytes, but only CPUs where oneDNN runs bf16 have a fast
         # kernel that writes it (elsewhere: a reference loop, seconds per call).
         self.out_dtype = _KERNEL_DTYPE if onednn_has_bf16() else torch.float32
+
+    @staticmethod
+    def weight_qmax() -> int:
+        """Without VNNI, oneDNN adds pairs of u8 x s8 products in saturating int16: weights up
+        to 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head)."""
+        return 127 if cpu_isa.has_vnni() else 64
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight and bf16 scales before packing; given once, then dropped."""
+        quantized, self._int8 = self._int8, None
+        if quantized is None:
+            raise RuntimeError("the int8 weight was already handed over")
+        return quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -37,9 +37,18 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     else:
         model.load_weights(iterate_weights(model_config.model_path, model_config.load_format))
     if model_config.quantization:
+        from pagedllm.distributed import get_tp_group
+        from pagedllm.model_executor.loader import quant_cache
         from pagedllm.model_executor.loader.quantize import quantize_model
 
-        quantize_model(model, model_config.quantization)
+        cache = None
+        if model_config.load_format != "dummy":
+            tp = get_tp_group()
+            shard = f"{model_config.load_format} tp {tp.rank_in_group}/{tp.world_size}"
+            names = [name for name, _ in model.named_modules()]
+            cache = quant_cache.cache_file(model_config.model_path, model_config.quantization, model_config.dtype,
+                                           names, shard)
+        quantize_model(model, model_config.quantization, cache)
     pack_model(model)
     _release_freed_memory()
     logger.info("Weights: %s loaded from %s (%s, quantization %s) in %.1f s", model_config.architecture,

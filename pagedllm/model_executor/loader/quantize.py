@@ -18,13 +18,21 @@ What each mode quantizes, and why (measurements in docs/performance.md):
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.linear import Linear
-from pagedllm.model_executor.layers.quantization import DynamicInt8Quant, QuantizedLMHead, quantize_weight
+from pagedllm.model_executor.layers.quantization import (
+    DynamicInt8Quant,
+    QuantizedLMHead,
+    WeightOnlyQuant,
+    dequantize_int8,
+    quantize_weight,
+)
 from pagedllm.model_executor.layers.vocab_embedding import LMHead
+from pagedllm.model_executor.loader import quant_cache
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +45,76 @@ MAX_ROWS = {("linear", "int8"): 4, ("lm_head", "int4"): 8}
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str) -> None:
-    """Attach quantized copies to every `Linear` and `LMHead` of `model`, in place.
+def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> None:
+    """Attach quantized copies to every `Linear` and `LMHead` of `model`, in place; read from
+    `cache` (quant_cache.py) when it holds them, written to it when it does not.
 
     A linear's float weight is overwritten with its dequantized values: the float path (many
     rows) and the kernel (few rows) then compute the same model. The head keeps its float
     weight as it is (for a tied head that is the embedding, which must not change), since
     it is the reference the top candidates are recomputed from.
     """
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (Linear, LMHead))]
+    if cache is not None and cache.exists():
+        try:
+            _restore(modules, mode, *quant_cache.load(cache))
+            logger.info("Quantized weights (%s) read from %s", mode, cache)
+            return
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with a cache file, quantizing again fixes it
+            logger.warning("ignoring the quantization cache %s: %s", cache, e)
     linear_format, head_format, top_k = FORMATS[mode]
-    nbytes = 0
-    for module in [m for m in model.modules() if isinstance(m, (Linear, LMHead))]:
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, dict] = {}
+    for name, module in modules:
         if isinstance(module, Linear):
             module.quant = quantize_weight(module.weight.data, linear_format, MAX_ROWS["linear", linear_format])
-            nbytes += _nbytes(module.quant)
+            meta[name] = _describe(module.quant, tensors, name)
         else:
             weight = module.tied_to.weight if module.tied_to is not None else module.weight
             dynamic = DynamicInt8Quant(weight.data)
+            tensors[f"{name}.dynamic.qweight"], tensors[f"{name}.dynamic.scale"] = dynamic.int8_weight()
             few_rows = None
             if head_format is not None:
                 few_rows = quantize_weight(weight.data, head_format, MAX_ROWS["lm_head", head_format], write_back=False)
-                nbytes += _nbytes(few_rows)
             module.quant = QuantizedLMHead(dynamic, few_rows, top_k)
-            nbytes += dynamic.nbytes
+            meta[name] = {"top_k": top_k, "few_rows": few_rows and _describe(few_rows, tensors, f"{name}.few_rows")}
+    if cache is not None:
+        try:
+            quant_cache.save(cache, tensors, meta)
+        except OSError as e:
+            logger.warning("could not write the quantization cache %s: %s", cache, e)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     logger.debug("quantized (%s): %.0f MB of quantized weights", mode, nbytes / 1e6)
 
 
-def _nbytes(module: nn.Module) -> int:
-    return sum(b.numel() * b.element_size() for b in module.buffers())
+def _describe(quant: WeightOnlyQuant, tensors: dict[str, torch.Tensor], name: str) -> dict:
+    tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = quant.qweight, quant.scales
+    return {"method": quant.method, "in_features": quant.in_features, "group_size": quant.group_size,
+            "max_rows": quant.max_rows, "layout": quant.layout}
+
+
+def _rebuild(tensors: dict[str, torch.Tensor], name: str, info: dict) -> WeightOnlyQuant:
+    return WeightOnlyQuant(info["method"], tensors[f"{name}.qweight"], tensors[f"{name}.scales"], info["in_features"],
+                           info["group_size"], info["max_rows"], info["layout"])
+
+
+def _restore(modules: list[tuple[str, nn.Module]], mode: str, tensors: dict[str, torch.Tensor],
+             meta: dict[str, dict]) -> None:
+    """What `quantize_model` computed, from its cached tensors, the linears' written-back
+    weights included (the same dequantization of the same int8 values)."""
+    if {name for name, _ in modules} != set(meta):
+        raise KeyError("the cached modules are not this model's")
+    for name, module in modules:
+        info = meta[name]
+        if isinstance(module, Linear):
+            quant = _rebuild(tensors, name, info)
+            if quant.method != "int8" or quant.out_features != module.weight.shape[0]:
+                raise ValueError(f"{name}: cached {quant.method} {tuple(quant.qweight.shape)}")
+            k = module.weight.shape[1]
+            module.weight.data.copy_(dequantize_int8(quant.qweight[:, :k], quant.scales))
+            module.quant = quant
+        else:
+            dynamic = DynamicInt8Quant(None, (tensors[f"{name}.dynamic.qweight"], tensors[f"{name}.dynamic.scale"]))
+            dynamic.int8_weight()  # not kept: the packed copy is what runs
+            few = info["few_rows"] and _rebuild(tensors, f"{name}.few_rows", info["few_rows"])
+            module.quant = QuantizedLMHead(dynamic, few or None, info["top_k"])

@@ -5,11 +5,14 @@ each rank's slice of the logits."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedllm.forward_context import get_attention_metadata
 from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -20,6 +23,7 @@ from pagedllm.model_executor.layers.linear import (
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.models.decode_plan import DecodePlan, Unsupported
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
     IntermediateTensors,
@@ -28,6 +32,8 @@ from pagedllm.model_executor.models.utils import (
     make_layers,
     on_stage,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Gemma3Attention(nn.Module):
@@ -108,6 +114,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if input_ids.numel() == 1 and intermediate_tensors is None and (plan := self._decode_plan(input_ids)):
+            return plan.run(input_ids, positions, get_attention_metadata())
         if intermediate_tensors is None:
             hidden = self.embed_tokens(input_ids)
             # The scale is rounded to the activation dtype first, as the reference does.
@@ -119,6 +127,28 @@ class Gemma3Model(nn.Module):
         if isinstance(self.norm, PPMissingLayer):
             return IntermediateTensors(hidden)
         return self.norm(hidden)
+
+
+    def _decode_plan(self, input_ids: torch.Tensor) -> DecodePlan | None:
+        """The batch-1 decode plan (decode_plan.py) when this step can run it: built on the
+        first lone decode, rebuilt if the KV cache or the thread count changes; None (the module
+        path) where the model cannot run one, or with PAGEDLLM_DECODE_PLAN=0."""
+        md, plan = get_attention_metadata(), self.__dict__.get("decode_plan")
+        if md is None or plan is False:
+            return None
+        kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
+        if plan is not None and plan.accepts(input_ids, md, kv_cache):
+            return plan
+        if plan is None or kv_cache.data_ptr() != plan.kv_ptr or torch.get_num_threads() != plan.nthreads:
+            try:
+                if os.environ.get("PAGEDLLM_DECODE_PLAN", "1") == "0":
+                    raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
+                plan = DecodePlan(self)
+            except Unsupported as e:
+                logger.debug("batch-1 decode plan off: %s", e)
+                plan = False
+            self.__dict__["decode_plan"] = plan
+        return plan if plan and plan.accepts(input_ids, md, kv_cache) else None
 
 
 class Gemma3ForCausalLM(nn.Module):

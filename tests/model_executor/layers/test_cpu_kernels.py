@@ -95,19 +95,22 @@ def test_extreme_activations(method):
         _check(out[1], ref[1], torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 256), (101, 640), (13, 2176)])  # 2176: past one int8 chunk
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_rows_do_not_depend_on_their_batch(method):
+def test_rows_do_not_depend_on_their_batch(method, n, k, dtype):
     """Each activation row is quantized alone and accumulated alone: bit-identical results
-    whatever else is in the call."""
-    w = _rand(96, 256, scale=0.05)
+    whatever else is in the call (a lone row takes the batch-1 fast paths)."""
+    w = _rand(n, k, scale=0.05)
     quant = qz.quantize_weight(w, method, max_rows=8, write_back=False)
     assert quant.layout == ("pagedllm" if KERNELS else "torch")
-    x = _rand(7, 256, seed=4).bfloat16()
+    x = _rand(7, k, seed=4).to(dtype)
     x[3] *= 50
-    batch = quant(x)
-    for i in range(7):
-        assert torch.equal(quant(x[i : i + 1]), batch[i : i + 1])
-    assert torch.equal(quant(x[2:6]), batch[2:6])
+    for bias in (None, _rand(n, seed=5).to(dtype)):
+        batch = quant(x, bias)
+        for i in range(7):
+            assert torch.equal(quant(x[i : i + 1], bias), batch[i : i + 1])
+        assert torch.equal(quant(x[2:6], bias), batch[2:6])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

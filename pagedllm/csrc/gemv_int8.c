@@ -1,0 +1,157 @@
+/* Weight-only int8 GEMV for decode: activations as int16 per row, the int8 weight streamed
+ * once through int16 dot products (VNNI vpdpwssd, or vpmaddwd). */
+#include "gemv.h"
+
+/* ---------- weight-only int8 linear: y = x @ (q * scale)^T + bias ----------
+ * One weight row at a time, for all activation rows: a single sequential stream per thread.
+ * (Tiles of 4 weight rows, read side by side, ran at a third of the bandwidth here: the
+ * hardware prefetchers follow 4 short interleaved streams poorly.) */
+
+/* Inputs per chunk for a dot-product instruction taking `per_op` inputs: each int32 lane then
+ * sums at most 256 products of 127 * 32767 (~1.07e9 < 2^31) before the chunk's sum moves to
+ * float32. */
+#define I8_CHUNK(per_op) (128 * (per_op))
+
+#ifdef PL_AVX512
+#ifdef __AVX512VNNI__
+#define DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
+    for (int r = 0; r < M; r++) out[r] = 0.0f;
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(32)) {
+        int64_t k1 = k0 + I8_CHUNK(32) < k ? k0 + I8_CHUNK(32) : k;
+        __m512i acc[4];
+        for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_si512();
+        for (int64_t kk = k0; kk < k1; kk += 32) {
+            __mmask32 m = k1 - kk >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k1 - kk)) - 1);
+            __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, wrow + kk));
+            for (int r = 0; r < M; r++)
+                acc[r] = DPWSSD512(acc[r], _mm512_load_si512((const void *)(xq + r * kp + kk)), wv);
+        }
+        for (int r = 0; r < M; r++) out[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r]));
+    }
+}
+#elif defined(PL_AVX2)
+#ifdef __AVXVNNI__
+#define DPWSSD256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define DPWSSD256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+/* 16 weights at a time: sign-extended to int16, then pairwise int16 products summed into
+ * int32 lanes (maddwd), exact. */
+INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
+    for (int r = 0; r < M; r++) out[r] = 0.0f;
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(16)) {
+        int64_t k1 = k0 + I8_CHUNK(16) < k ? k0 + I8_CHUNK(16) : k;
+        __m256i acc[4];
+        for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_si256();
+        for (int64_t kk = k0; kk < k1; kk += 16) {
+            __m128i w8;
+            if (k1 - kk >= 16) {
+                w8 = _mm_loadu_si128((const __m128i *)(wrow + kk));
+            } else {  /* the row's tail: never read past it */
+                int8_t buf[16] = {0};
+                memcpy(buf, wrow + kk, (size_t)(k1 - kk));
+                w8 = _mm_loadu_si128((const __m128i *)buf);
+            }
+            __m256i wv = _mm256_cvtepi8_epi16(w8);
+            for (int r = 0; r < M; r++)
+                acc[r] = DPWSSD256(acc[r], _mm256_load_si256((const __m256i *)(xq + r * kp + kk)), wv);
+        }
+        for (int r = 0; r < M; r++) out[r] += vhsum(_mm256_cvtepi32_ps(acc[r]));
+    }
+}
+#else
+INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
+    for (int r = 0; r < M; r++) {
+        int64_t acc = 0;
+        for (int64_t kk = 0; kk < k; kk++) acc += (int32_t)xq[r * kp + kk] * wrow[kk];
+        out[r] = (float)acc;
+    }
+}
+#endif
+
+#ifdef PL_AVX2
+/* One activation row (a batch-1 decode), 8 weight rows after one another (still one stream):
+ * their 8 sums are reduced together, a transpose of adds instead of 8 horizontal sums, and
+ * scaled and stored as one vector. Needs k <= I8_CHUNK(16). Every rounding is the general
+ * path's (one chunk, vhsum's order, the same scaling), so a row's result does not depend on
+ * its batch. */
+INLINE __m256 w8_rows8_m1(const int16_t *xq, const int8_t *w, int64_t k) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) {
+        const int8_t *wrow = w + j * k;
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        int64_t kk = 0;
+        for (; kk + 32 <= k; kk += 32) {
+            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk))));
+            b = DPWSSD256(b, _mm256_load_si256((const __m256i *)(xq + kk + 16)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk + 16))));
+        }
+        for (; kk < k; kk += 16) {
+            int8_t buf[16] = {0};
+            memcpy(buf, wrow + kk, (size_t)(k - kk < 16 ? k - kk : 16));
+            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf)));
+        }
+        acc[j] = _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));  /* exact: 256 products a lane at most */
+    }
+    return hsum8(acc);
+}
+
+static void w8_m1(const int16_t *xq, float sx, int64_t k, const int8_t *w, const uint16_t *w_scale, const void *bias,
+                  int64_t n, void *y, int y_bf16, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < n / 8; nb++) {
+        int64_t nn = nb * 8;
+        __m256 ws = bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(w_scale + nn)));
+        /* (sum * sx) * ws + b, rounded as the general path's scalar expression */
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(w8_rows8_m1(xq, w + nn * k, k), _mm256_set1_ps(sx)), ws);
+        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
+        vstore(y, y_bf16, nn, v, 8);
+    }
+    for (int64_t nn = n / 8 * 8; nn < n; nn++) {
+        float out;
+        w8_row(xq, KPAD(k), 1, w + nn * k, k, &out);
+        store1(y, y_bf16, nn, out * sx * bf16_scalar(w_scale[nn]) + (bias ? load1(bias, y_bf16, nn) : 0.0f));
+    }
+}
+#endif
+
+#define W8_ROW_M(MM) w8_row(xq + r0 * kp, kp, MM, wrow, k, out)
+
+void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,
+                     const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
+    int64_t kp = KPAD(k);
+    int16_t *xq = aligned_alloc(64, (size_t)(m * kp * sizeof(int16_t)));
+    float *sx = malloc((size_t)m * sizeof(float));
+    quantize_rows_i16(x, x_bf16, m, k, 32767.0f, xq, sx);
+#ifdef PL_AVX2
+    if (m == 1 && k <= I8_CHUNK(16)) {
+        w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
+        free(sx);
+        free(xq);
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nn = 0; nn < n; nn++) {
+        const int8_t *wrow = w + nn * k;
+        float ws = bf16_scalar(w_scale[nn]), b = bias ? load1(bias, y_bf16, nn) : 0.0f;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            float out[4];
+            int M = m - r0 < 4 ? (int)(m - r0) : 4;
+            switch (M) {  /* constant row counts, so the loops over rows unroll */
+                case 1: W8_ROW_M(1); break;
+                case 2: W8_ROW_M(2); break;
+                case 3: W8_ROW_M(3); break;
+                default: W8_ROW_M(4); break;
+            }
+            for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * n + nn, out[r] * sx[r0 + r] * ws + b);
+        }
+    }
+    free(sx);
+    free(xq);
+}

@@ -1,0 +1,76 @@
+"""Quantized weights cached on disk: a warm start reads them (one safetensors file) instead of
+quantizing the model again, which takes longer than loading it (the default model: ~170 M
+weights of the head twice, ~100 M of the decoder).
+
+One file per checkpoint and everything the result depends on: the weight files (path, size,
+modification time), the mode, the activation dtype, the kernel build level, the W8A8 head's
+weight range (VNNI or not), the rank's shard and stage, and the quantization code itself. A
+file that fails to load is ignored and replaced. `PAGEDLLM_QUANT_CACHE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm import __version__
+from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers import quantization as qz
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_CODE = (Path(qz.__file__), Path(__file__).with_name("quantize.py"))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
+    )
+    return Path(root) / "quantized"
+
+
+def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: list[str], shard: str) -> Path | None:
+    """Where this model's quantized weights are cached; None when caching is off or the
+    checkpoint has no weight files to key it by."""
+    if os.environ.get("PAGEDLLM_QUANT_CACHE", "1") == "0" or not os.path.isdir(model_path):
+        return None
+    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        return None
+    lib = cpu_kernels.kernels()
+    parts = [
+        __version__, *(p.read_text() for p in _CODE), str(Path(model_path).resolve()),
+        *(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files),
+        mode, str(dtype), getattr(lib, "pl_isa", "torch"), str(qz.DynamicInt8Quant.weight_qmax()), shard,
+        *module_names,
+    ]
+    return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"
+
+
+def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, dict]) -> None:
+    """Written beside the target and renamed: a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".quant-", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"modules": json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["modules"])
+    return load_file(str(path)), meta

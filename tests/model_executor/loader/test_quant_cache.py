@@ -1,0 +1,59 @@
+"""The quantized-weights cache: a second start reads what the first computed (no quantizing),
+and runs the same model (identical greedy tokens and logprobs); a changed checkpoint, another
+mode or PAGEDLLM_QUANT_CACHE=0 quantizes again; a damaged file is ignored and replaced."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.loader import quantize
+from tests.utils import make_tiny_model
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    return make_tiny_model(str(tmp_path / "gemma3"), "gemma3", head_dim=32, query_pre_attn_scalar=32)
+
+
+def _start(path: str, monkeypatch, quantization: str = "int4") -> tuple[list, int]:
+    """Greedy tokens and logprobs, and how many weights were quantized at start-up."""
+    calls = []
+    real = quantize.quantize_weight
+    monkeypatch.setattr(quantize, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(path, dtype="float32", quantization=quantization, kv_cache_memory=1 << 24)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [9] * 11}], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
+
+
+def test_second_start_reads_the_cache(model_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache" / "quantized"
+    first, quantized = _start(model_dir, monkeypatch)
+    assert quantized > 0 and len(list(cache.glob("*.safetensors"))) == 1
+    second, quantized = _start(model_dir, monkeypatch)
+    assert quantized == 0 and second == first
+    # another mode is another file
+    _, quantized = _start(model_dir, monkeypatch, "int8")
+    assert quantized > 0 and len(list(cache.glob("*.safetensors"))) == 2
+    # a damaged file is ignored, quantized again and replaced
+    (int4_file,) = [p for p in cache.glob("*.safetensors") if p.stat().st_mtime_ns == min(
+        q.stat().st_mtime_ns for q in cache.glob("*.safetensors"))]
+    int4_file.write_bytes(b"not a safetensors file")
+    again, quantized = _start(model_dir, monkeypatch)
+    assert quantized > 0 and again == first
+    assert _start(model_dir, monkeypatch)[1] == 0
+    # a rewritten checkpoint is a new key
+    weights = next(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
+    os.utime(os.path.join(model_dir, weights), ns=(1, 1))
+    assert _start(model_dir, monkeypatch)[1] > 0
+
+
+def test_turned_off(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_CACHE", "0")
+    _start(model_dir, monkeypatch)
+    assert _start(model_dir, monkeypatch)[1] > 0
+    assert not (tmp_path / "cache" / "quantized").exists()
