@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.utils import assert_greedy_match
+from tests.utils import all_slow, assert_greedy_match
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,7 @@ COPY_PROMPT = ("Copy the following text exactly.\n\nText:\nThe river flows from 
                "sea in the south. Along its banks there are small villages and old mills.\n\nCopy:\nThe river")
 
 
+@all_slow
 def test_default_model_greedy_identical_with_speculation(default_llm, tmp_path):
     """n-gram and a draft model (a 15-layer copy of the target) change nothing in greedy output."""
     from pagedllm import LLM, SamplingParams

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.utils import all_slow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, all_slow]
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time"]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)

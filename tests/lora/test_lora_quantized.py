@@ -10,8 +10,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli.bench_lora import write_random_adapter
 from pagedllm.lora_request import LoRARequest
+from tests.utils import all_slow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, all_slow]
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time"]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

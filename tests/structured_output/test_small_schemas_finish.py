@@ -17,7 +17,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.utils import all_slow
+
+pytestmark = [pytest.mark.slow, all_slow]
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_structured_outputs.py"
 

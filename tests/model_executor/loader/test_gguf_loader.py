@@ -15,6 +15,7 @@ gguf = pytest.importorskip("gguf")
 
 from pagedllm.config import GGUF_CPU_QUANTIZATION, resolve_quantization  # noqa: E402
 from pagedllm.transformers_utils.gguf_loader import convert_gguf, gguf_is_quantized  # noqa: E402
+from tests.utils import all_slow  # noqa: E402
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -205,6 +206,7 @@ def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@all_slow
 def test_default_model_matches_transformers_gguf_loading() -> None:
     """Uses the default cache on purpose: repeated runs reuse the ~1 GB conversion."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
