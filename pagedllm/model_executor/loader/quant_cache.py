@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedllm.version import __version__
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
+from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
