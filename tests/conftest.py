@@ -7,6 +7,12 @@ import pytest
 from tests.utils import make_tiny_model
 
 
+def pytest_collection_modifyitems(config, items):
+    """The real-model (slow) tests first: in a run split over workers by file they then overlap
+    the rest instead of forming a tail at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("gemma3")), "gemma3")
