@@ -9,8 +9,9 @@ import math
 import pytest
 
 from tests.model_executor.loader.test_quantize import _kernels_for_all_rows, _prompt_logprobs
+from tests.utils import all_slow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, all_slow]
 
 TEXT = (
     'The lighthouse on the northern cape was built in 1856, after a winter in which three ships were lost'
