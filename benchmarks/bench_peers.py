@@ -5,7 +5,12 @@
 - W2: batch 1, 128 tokens out (`pagedllm bench latency` TPOT; `llama-bench -n 128`);
 - long prompt: prefill tok/s of one 4,096-token prompt (`pagedllm bench latency
   --input-len 4096 --output-len 1`, TTFT; `llama-bench -p 4096`);
-- start-up: pagedllm's engine start-up to ready, with a warm cache.
+- start-up: pagedllm's engine start-up to ready, with a warm cache;
+- serving (`pagedllm bench compare`: random 128 in / 128 out, 64 prompts, 16 concurrent,
+  ignore_eos) against `pagedllm serve` and `llama-server -np 16`: output tok/s, median TTFT,
+  P99 ITL;
+- prefix-heavy serving: 32 prompts sharing a 1,024-token prefix (+ 32 own tokens, 32 out,
+  4 concurrent) against `pagedllm serve` with prefix caching on and off: median TTFT.
 
     python benchmarks/bench_peers.py --llama-cpp-bin /path/to/llama.cpp/build/bin [--rounds 2]
 
@@ -17,13 +22,23 @@ drift on a shared machine hits both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
+import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+SERVE = ["--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--max-concurrency", "16"]
+PREFIX = ["--num-prompts", "32", "--random-prefix-len", "1024", "--input-len", "32", "--output-len", "32",
+          "--max-concurrency", "4"]
 
 
 def _run(cmd: list[str]) -> str:
@@ -69,11 +84,70 @@ def llama_cpp_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
     return {"W1 output tok/s": 64 * 128 / float(cells[8]), "W2 ms/token": 1e3 / tg, "prefill 4096 tok/s": pp}
 
 
+def _compare(gguf: str, workload: list[str], server_args: list[str], urls: list[str] = ()) -> dict[str, dict]:
+    """`pagedllm bench compare`: a `pagedllm serve` it starts itself, plus the servers at `urls`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        _run(["pagedllm", "bench", "compare", "--model", gguf, f"--server-args={' '.join(server_args)}",
+              *(f for url in urls for f in ("--url", url)), *workload, "--output-json", out.name])
+        results = json.load(open(out.name))
+    failed = {name: m for name, m in results.items() if m.get("failed")}
+    if failed:
+        sys.exit(f"serving run had failed requests: {failed}")
+    return results
+
+
+@contextlib.contextmanager
+def llama_server(bin_dir: str, gguf: str, threads: int) -> Iterator[str]:
+    """`llama-server -np 16` on a free port: 16 slots of 1,024 tokens each."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-np", "16", "-c", str(16 * 1024),
+           "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def serving_runs(bin_dir: str, gguf: str, threads: int, extra: list[str]) -> tuple[dict, dict]:
+    """(pagedllm's, llama-server's) serving figures from one round."""
+    with llama_server(bin_dir, gguf, threads) as url:
+        both = _compare(gguf, SERVE, extra, [f"llama.cpp={url}"])
+    return tuple(  # type: ignore[return-value]
+        {"serve output tok/s": m["output_throughput"], "serve TTFT p50 ms": m["median_ttft_ms"],
+         "serve ITL p99 ms": m["p99_itl_ms"]}
+        for m in (both["pagedllm"], both["llama.cpp"]))
+
+
+def prefix_runs(gguf: str, extra: list[str]) -> dict[str, float]:
+    """pagedllm's median TTFT on the shared-prefix workload, prefix caching on and off."""
+    on = _compare(gguf, PREFIX, extra)["pagedllm"]
+    off = _compare(gguf, PREFIX, [*extra, "--no-enable-prefix-caching"])["pagedllm"]
+    return {"prefix TTFT p50 ms, caching on": on["median_ttft_ms"],
+            "prefix TTFT p50 ms, caching off": off["median_ttft_ms"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp-bin", required=True, help="directory with llama-bench, llama-batched-bench")
     parser.add_argument("--gguf", default=None, help="default: the default model's GGUF")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--parts", default="offline,serve,prefix",
+                        help="comma-separated subset of offline (W1, W2, prefill, start-up), serve, prefix")
     parser.add_argument("pagedllm_args", nargs="*", help="extra arguments for every pagedllm command (after --)")
     args = parser.parse_args()
     if args.gguf is None:
@@ -83,23 +157,37 @@ def main() -> None:
     threads = os.cpu_count() or 1
     ours: dict[str, list[float]] = {}
     peer: dict[str, list[float]] = {}
+    parts = set(args.parts.split(","))
     for _ in range(args.rounds):
-        for key, value in pagedllm_runs(args.pagedllm_args).items():
+        mine: dict[str, float] = {}
+        theirs: dict[str, float] = {}
+        if "offline" in parts:
+            mine |= pagedllm_runs(args.pagedllm_args)
+            theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads)
+        if "serve" in parts:
+            serve_mine, serve_theirs = serving_runs(args.llama_cpp_bin, args.gguf, threads, args.pagedllm_args)
+            mine |= serve_mine
+            theirs |= serve_theirs
+        if "prefix" in parts:
+            mine |= prefix_runs(args.gguf, args.pagedllm_args)
+        for key, value in mine.items():
             ours.setdefault(key, []).append(value)
-        for key, value in llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads).items():
+        for key, value in theirs.items():
             peer.setdefault(key, []).append(value)
     print(f"| metric | pagedllm | llama.cpp | pagedllm / llama.cpp |  ({threads} threads, {args.rounds} round(s))")
     print("| --- | --- | --- | --- |")
     for key, values in ours.items():
-        mine = statistics.median(values)
-        theirs = statistics.median(peer[key]) if key in peer else None
         runs = " / ".join(f"{v:.1f}" for v in values)
-        if theirs is None:
+        if key not in peer:
             print(f"| {key} | {runs} | | |")
             continue
-        ratio = theirs / mine if key.endswith("ms/token") else mine / theirs  # > 1: pagedllm ahead
+        a, b = statistics.median(values), statistics.median(peer[key])
+        ratio = b / a if " ms" in key else a / b  # > 1: pagedllm ahead
         peer_runs = " / ".join(f"{v:.1f}" for v in peer[key])
         print(f"| {key} | {runs} | {peer_runs} | {ratio:.2f}x |")
+    if "prefix" in parts:
+        on, off = (statistics.median(ours[f"prefix TTFT p50 ms, caching {x}"]) for x in ("on", "off"))
+        print(f"prefix caching: median TTFT {off / on:.1f}x lower with it on")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.utils import all_slow, assert_greedy_match
+from tests.utils import all_slow, assert_greedy_match, cached_reference
 
 pytestmark = pytest.mark.slow
 
@@ -24,29 +24,41 @@ def default_llm():
 
 
 def test_default_model_greedy_matches_transformers(default_llm):
-    from transformers import AutoModelForCausalLM
+    """transformers' reference loads the GGUF itself (~90 s here, most of it parsing the GGUF's
+    262k-token metadata twice), so it is computed once per GGUF file and library versions and
+    kept in the pagedllm cache (tests.utils.cached_reference)."""
+    from importlib.metadata import version
 
     from pagedllm.transformers_utils.default_model import resolve_default_model
 
     gguf_path = resolve_default_model()
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
     tok = default_llm.get_tokenizer()
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     assert all(ids[0] == tok.bos_token_id for ids in prompt_ids), "GGUF add_bos_token not honoured"
 
-    ref = []
-    for ids in prompt_ids:
-        out = ref_model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
-        )
-        ref.append({
-            "tokens": out.sequences[0, len(ids):].tolist(),
-            "logprobs": [torch.log_softmax(s[0].float(), -1) for s in out.logits],
-        })
-    del ref_model
+    def reference() -> list[dict]:
+        from transformers import AutoModelForCausalLM
+
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+        ).eval()
+        ref = []
+        for ids in prompt_ids:
+            out = ref_model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            )
+            ref.append({
+                "tokens": out.sequences[0, len(ids):].tolist(),
+                "logprobs": [torch.log_softmax(s[0].float(), -1) for s in out.logits],
+            })
+        return ref
+
+    stat = os.stat(gguf_path)
+    ref = cached_reference("default-model-greedy", {
+        "gguf": [gguf_path, stat.st_size, stat.st_mtime_ns], "prompts": prompt_ids, "max_tokens": MAX_TOKENS,
+        "versions": [version("transformers"), version("torch"), version("gguf")],
+    }, reference)
 
     from pagedllm import SamplingParams
 

@@ -5,6 +5,7 @@ fresh `pip install -e ".[test]"` has everything the code needs."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pkgutil
 import re
@@ -65,9 +66,14 @@ def _third_party_imports(directory: Path) -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    return metadata.packages_distributions()  # reads every installed distribution's file list
+
+
 def _distributions(module: str) -> set[str]:
     """The distributions providing `module` (by its own name when none installed provides it)."""
-    return {_normalize(d) for d in metadata.packages_distributions().get(module, [module])}
+    return {_normalize(d) for d in _packages_distributions().get(module, [module])}
 
 
 @pytest.mark.parametrize(("directory", "extras"), [("pagedllm", False), ("tests", True)])

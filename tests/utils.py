@@ -149,6 +149,38 @@ def assert_greedy_match(ours: list[list[int]], ref: list[dict], tol: float = 1e-
             assert len(got) == len(want), f"prompt {i}: length {len(got)} vs {len(want)}"
 
 
+def cached_reference(name: str, key: dict, compute, topk: int = 32) -> list[dict]:
+    """`compute()`'s reference runs ([{"tokens", "logprobs"}], as assert_greedy_match reads
+    them), kept in the pagedllm cache under `key` (say what the reference depends on: files,
+    library versions, prompts). Only each position's top-`topk` logprobs are kept; the rest read
+    as -inf, which assert_greedy_match never needs: a tie is judged among the top tokens.
+    PAGEDLLM_TEST_FRESH_REFERENCE=1 recomputes."""
+    import hashlib
+    import json
+
+    from pagedllm.envs import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "test-references" / f"{name}-{digest}.pt"
+    if path.exists() and os.environ.get("PAGEDLLM_TEST_FRESH_REFERENCE") != "1":
+        stored = torch.load(path)
+    else:
+        stored = []
+        for r in compute():
+            top = torch.stack(r["logprobs"]).topk(topk, dim=-1)
+            stored.append({"tokens": r["tokens"], "values": top.values, "indices": top.indices,
+                           "vocab": r["logprobs"][0].numel()})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(stored, tmp)
+        os.replace(tmp, path)  # atomic: parallel test workers may share the cache
+    refs = []
+    for r in stored:
+        dense = torch.full((len(r["tokens"]), r["vocab"]), float("-inf")).scatter_(1, r["indices"], r["values"])
+        refs.append({"tokens": r["tokens"], "logprobs": list(dense)})
+    return refs
+
+
 def token_deltas(text: str, tok) -> list[str]:
     """`text` as a detokenizer streams it, token by token (half UTF-8 characters held back)."""
     ids, pieces, prev = tok.encode(text, add_special_tokens=False), [], ""

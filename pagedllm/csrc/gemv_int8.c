@@ -12,55 +12,55 @@
  * float32. */
 #define I8_CHUNK(per_op) (128 * (per_op))
 
-#ifdef PL_AVX512
+#if defined(PL_AVX512) || defined(PL_AVX2)
+/* Per level: W8_STEP weights per step, sign-extended to int16 (w8_load, which never reads past
+ * the row's end), times the int16 activations in pairwise int32 sums (W8_DOT), exact. */
+#if defined(PL_AVX512)
+#define W8_STEP 32
+typedef __m512i w8vec;
+#define W8_ZERO _mm512_setzero_si512
+#define W8_LOADX(p) _mm512_load_si512((const void *)(p))
+#define W8_SUM(acc) _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc))
 #ifdef __AVX512VNNI__
-#define DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#define W8_DOT(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
-#define DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#define W8_DOT(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
-INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
-    for (int r = 0; r < M; r++) out[r] = 0.0f;
-    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(32)) {
-        int64_t k1 = k0 + I8_CHUNK(32) < k ? k0 + I8_CHUNK(32) : k;
-        __m512i acc[4];
-        for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_si512();
-        for (int64_t kk = k0; kk < k1; kk += 32) {
-            __mmask32 m = k1 - kk >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k1 - kk)) - 1);
-            __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, wrow + kk));
-            for (int r = 0; r < M; r++)
-                acc[r] = DPWSSD512(acc[r], _mm512_load_si512((const void *)(xq + r * kp + kk)), wv);
-        }
-        for (int r = 0; r < M; r++) out[r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r]));
-    }
+INLINE __m512i w8_load(const int8_t *p, int64_t left) {
+    __mmask32 m = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, p));
 }
-#elif defined(PL_AVX2)
-#ifdef __AVXVNNI__
-#define DPWSSD256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
-#define DPWSSD256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#define W8_STEP 16
+typedef __m256i w8vec;
+#define W8_ZERO _mm256_setzero_si256
+#define W8_LOADX(p) _mm256_load_si256((const __m256i *)(p))
+#define W8_SUM(acc) vhsum(_mm256_cvtepi32_ps(acc))
+#ifdef __AVXVNNI__
+#define W8_DOT(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define W8_DOT(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #endif
-/* 16 weights at a time: sign-extended to int16, then pairwise int16 products summed into
- * int32 lanes (maddwd), exact. */
+INLINE __m256i w8_load(const int8_t *p, int64_t left) {
+    if (left >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    int8_t buf[16] = {0};
+    memcpy(buf, p, (size_t)left);
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf));
+}
+#endif
+
+/* out[r] = xq[r] . wrow for M <= 4 activation rows, int32 sums moved to float32 per chunk. */
 INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int64_t k, float *out) {
     for (int r = 0; r < M; r++) out[r] = 0.0f;
-    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(16)) {
-        int64_t k1 = k0 + I8_CHUNK(16) < k ? k0 + I8_CHUNK(16) : k;
-        __m256i acc[4];
-        for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_si256();
-        for (int64_t kk = k0; kk < k1; kk += 16) {
-            __m128i w8;
-            if (k1 - kk >= 16) {
-                w8 = _mm_loadu_si128((const __m128i *)(wrow + kk));
-            } else {  /* the row's tail: never read past it */
-                int8_t buf[16] = {0};
-                memcpy(buf, wrow + kk, (size_t)(k1 - kk));
-                w8 = _mm_loadu_si128((const __m128i *)buf);
-            }
-            __m256i wv = _mm256_cvtepi8_epi16(w8);
-            for (int r = 0; r < M; r++)
-                acc[r] = DPWSSD256(acc[r], _mm256_load_si256((const __m256i *)(xq + r * kp + kk)), wv);
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(W8_STEP)) {
+        int64_t k1 = k0 + I8_CHUNK(W8_STEP) < k ? k0 + I8_CHUNK(W8_STEP) : k;
+        w8vec acc[4];
+        for (int r = 0; r < M; r++) acc[r] = W8_ZERO();
+        for (int64_t kk = k0; kk < k1; kk += W8_STEP) {
+            w8vec wv = w8_load(wrow + kk, k1 - kk);
+            for (int r = 0; r < M; r++) acc[r] = W8_DOT(acc[r], W8_LOADX(xq + r * kp + kk), wv);
         }
-        for (int r = 0; r < M; r++) out[r] += vhsum(_mm256_cvtepi32_ps(acc[r]));
+        for (int r = 0; r < M; r++) out[r] += W8_SUM(acc[r]);
     }
 }
 #else
@@ -86,16 +86,10 @@ INLINE __m256 w8_rows8_m1(const int16_t *xq, const int8_t *w, int64_t k) {
         __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
         int64_t kk = 0;
         for (; kk + 32 <= k; kk += 32) {
-            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk))));
-            b = DPWSSD256(b, _mm256_load_si256((const __m256i *)(xq + kk + 16)),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wrow + kk + 16))));
+            a = W8_DOT(a, W8_LOADX(xq + kk), w8_load(wrow + kk, 16));
+            b = W8_DOT(b, W8_LOADX(xq + kk + 16), w8_load(wrow + kk + 16, 16));
         }
-        for (; kk < k; kk += 16) {
-            int8_t buf[16] = {0};
-            memcpy(buf, wrow + kk, (size_t)(k - kk < 16 ? k - kk : 16));
-            a = DPWSSD256(a, _mm256_load_si256((const __m256i *)(xq + kk)), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)buf)));
-        }
+        for (; kk < k; kk += 16) a = W8_DOT(a, W8_LOADX(xq + kk), w8_load(wrow + kk, k - kk));
         acc[j] = _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));  /* exact: 256 products a lane at most */
     }
     return hsum8(acc);

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.envs import cache_root
 from pagedllm.transformers_utils.gguf_archs import (
     EXPERTS,
     HF_ARCHITECTURES,
@@ -41,8 +42,7 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _cache_root(cache_dir: str | None) -> Path:
-    root = cache_dir or os.environ.get("PAGEDLLM_CACHE_DIR") or "~/.cache/pagedllm"
-    return Path(root).expanduser() / "gguf"
+    return (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "gguf"
 
 
 # Bumped when the conversion's output changes, so older cache entries are redone once.

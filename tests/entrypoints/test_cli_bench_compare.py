@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 
 import httpx
 import pytest
 
 from pagedllm.entrypoints.cli.bench_compare import MATPLOTLIB_MISSING, _endpoint, format_table, run_bench_compare
-from pagedllm.entrypoints.cli.bench_serve import _tokenize
+from pagedllm.entrypoints.cli.bench_serve import _prompts, _tokenize
 from pagedllm.entrypoints.cli.main import build_parser, main
 
 
@@ -53,6 +54,25 @@ def test_bad_invocations(capsys, monkeypatch):
     with pytest.raises(ValueError, match="pip install 'pagedllm\\[bench\\]'") as e:
         run_bench_compare(args)
     assert str(e.value) == MATPLOTLIB_MISSING
+
+
+def test_shared_prefix_workload():
+    """--random-prefix-len: every prompt starts with the same tokens, then has its own."""
+    def server(request: httpx.Request) -> httpx.Response:
+        words = json.loads(request.content)["prompt"].split()
+        return httpx.Response(200, json={"tokens": [hash(w) % 1000 for w in words]})
+
+    async def run(prefix_len: int) -> list[list[int]]:
+        args = build_parser().parse_args(["bench", "serve", "--num-prompts", "8", "--input-len", "12",
+                                          "--random-prefix-len", str(prefix_len)])
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://s") as client:
+            return await _prompts(client, args, "m")
+
+    prompts = asyncio.run(run(100))
+    assert [len(p) for p in prompts] == [112] * 8
+    assert len({tuple(p[:100]) for p in prompts}) == 1 and len({tuple(p[100:]) for p in prompts}) > 1
+    assert [p[100:] for p in prompts] == asyncio.run(run(0))  # the same own parts, after the prefix
+    assert main(["bench", "serve", "--random-prefix-len", "-1"]) == 2
 
 
 def test_unreachable_server_is_a_failed_row(capsys):

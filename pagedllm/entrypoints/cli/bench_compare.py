@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pagedllm.entrypoints.cli.bench_serve import _run, add_workload_args
+from pagedllm.entrypoints.cli.bench_serve import _run, add_workload_args, check_workload_args
 
 LATENCIES = (("ttft", "median", "TTFT p50"), ("ttft", "p90", "TTFT p90"), ("ttft", "p99", "TTFT p99"),
              ("itl", "median", "ITL p50"), ("itl", "p99", "ITL p99"), ("tpot", "median", "TPOT p50"),
@@ -64,8 +64,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         raise ValueError("nothing to compare: give --url NAME=URL (repeatable) and/or --model MODEL")
     if len(set(names)) != len(names):
         raise ValueError(f"each server needs its own name; got {', '.join(names)}")
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    check_workload_args(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -94,8 +93,10 @@ def _bench_one(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     run_args = argparse.Namespace(**{**vars(args), "base_url": base_url, "model": None})
     try:
         if args.warmup_prompts > 0:
+            # Another seed: other prompts (and another shared prefix), so nothing timed is cached.
             warmup = argparse.Namespace(**{**vars(run_args), "num_prompts": args.warmup_prompts,
-                                           "output_len": min(args.output_len, 4), "request_rate": float("inf")})
+                                           "output_len": min(args.output_len, 4), "request_rate": float("inf"),
+                                           "seed": args.seed + 1})
             asyncio.run(_run(warmup))
         return asyncio.run(_run(run_args))
     except Exception as e:  # an unreachable or refusing server: its row says so, the others still run

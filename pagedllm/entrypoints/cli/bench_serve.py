@@ -39,11 +39,20 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload's flags, shared with `bench compare`."""
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one shared prefix (a system prompt) before every prompt's --input-len own tokens")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson arrivals); inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.random_prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
 
 
 @dataclass
@@ -57,13 +66,16 @@ class RequestResult:
 
 
 async def _prompts(client, args: argparse.Namespace, model: str) -> list[list[int]]:
+    """`num_prompts` token-id prompts: the shared prefix (if any), then `input_len` tokens cut
+    from a random place in the text, so prompts differ right after the prefix."""
     rng = random.Random(args.seed)
     text = " ".join(rng.choice(_WORDS) for _ in range(max(64, args.input_len * 2)))
     ids = await _tokenize(client, model, text)
     while len(ids) < args.input_len + args.num_prompts:
         ids = ids + ids
+    prefix = [ids[i % len(ids)] for i in range(args.random_prefix_len)]
     starts = [rng.randrange(0, len(ids) - args.input_len) for _ in range(args.num_prompts)]
-    return [ids[s : s + args.input_len] for s in starts]
+    return [prefix + ids[s : s + args.input_len] for s in starts]
 
 
 async def _tokenize(client, model: str, text: str) -> list[int]:
@@ -139,6 +151,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     return _summarize(args, model, results, duration)
 
 
+def _prompt_len(args: argparse.Namespace) -> int:
+    return args.random_prefix_len + args.input_len
+
+
 def _stats(name: str, values_s: list[float]) -> dict[str, float]:
     v = np.asarray(values_s or [0.0]) * 1000.0
     return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.percentile(v, 50)),
@@ -153,7 +169,7 @@ def _summarize(args, model: str, results: list[RequestResult], duration: float) 
         "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + len(ok) * args.input_len) / duration,
+        "total_token_throughput": (out_tokens + len(ok) * _prompt_len(args)) / duration,
         "total_output_tokens": out_tokens,
         **_stats("ttft", [r.ttft for r in ok]), **_stats("tpot", tpot),
         **_stats("itl", [x for r in ok for x in r.itl]), **_stats("e2el", [r.latency for r in ok]),
@@ -167,6 +183,7 @@ def _summarize(args, model: str, results: list[RequestResult], duration: float) 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     import logging
 
+    check_workload_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     metrics = asyncio.run(_run(args))
     print(f"============ Serving Benchmark Result ({metrics['model']}) ============")

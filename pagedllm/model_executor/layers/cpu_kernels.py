@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import cpu_isa
+from pagedllm.envs import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,7 @@ def describe(isa: str) -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
-    return Path(root) / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 def _cpu_id() -> str:

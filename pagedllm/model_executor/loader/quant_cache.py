@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
 from pagedllm.version import __version__
@@ -31,10 +32,7 @@ _CODE = (Path(qz.__file__), Path(__file__).with_name("quantize.py"))
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
-    return Path(root) / "quantized"
+    return cache_root() / "quantized"
 
 
 def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: list[str], shard: str) -> Path | None:

@@ -220,12 +220,16 @@ def test_bench_serve_against_real_server(server):
     from pagedllm.entrypoints.cli.bench_serve import run_bench_serve
 
     args = argparse.Namespace(
-        base_url=server, model=None, api_key=API_KEY, num_prompts=6, input_len=8, output_len=5,
+        base_url=server, model=None, api_key=API_KEY, num_prompts=6, input_len=8, random_prefix_len=40, output_len=5,
         request_rate=float("inf"), max_concurrency=2, seed=0, output_json=None,
     )
+    hits = _metrics(server).get("pagedllm:prefix_cache_hits_total", 0.0)
     m = run_bench_serve(args)
     assert m["completed"] == 6 and m["failed"] == 0
     assert m["total_output_tokens"] == 6 * 5
+    # The shared 40-token prefix is two full 16-token blocks: the four requests after the first
+    # two (which run together, before any block is cached) find them in the prefix cache.
+    assert _metrics(server)["pagedllm:prefix_cache_hits_total"] - hits >= 4 * 32
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert m["mean_tpot_ms"] > 0 and m["output_throughput"] > 0
 
