@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model_executor.layers import cpu_kernels
-from pagedllm.model_executor.layers.cpu_gemm import pack_weight, packed_linear
+from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16, pack_weight, packed_linear
 from pagedllm.model_executor.layers.quantization import DynamicInt8Quant, quantize_int4, quantize_int8
 
 DECODER_SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)}
 LM_HEAD = (262144, 640)
 NUM_LAYERS = 18
+# What the float linears run in: bf16 where oneDNN has a bf16 GEMM, else float32 (AVX2-only CPUs).
+ACT = torch.bfloat16 if onednn_has_bf16() else torch.float32
 
 
 def median_ms(fn: Callable[..., object], *args: object, reps: int = 20) -> float:
@@ -48,11 +50,12 @@ def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: t
 
 
 def formats(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """name -> x ↦ x @ w.T in that weight format (activations in x's dtype)."""
+    """name -> x ↦ x @ w.T in that weight format (activations in x's dtype, ACT)."""
     q8, s8 = quantize_int8(w)
+    name = "bf16" if ACT == torch.bfloat16 else "fp32"
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "bf16": partial(F.linear, weight=w.bfloat16()),
-        "bf16 packed": partial(packed_linear, packed=pack_weight(w.bfloat16()), bias=None),
+        name: partial(F.linear, weight=w.to(ACT)),
+        f"{name} packed": partial(packed_linear, packed=pack_weight(w.to(ACT)), bias=None),
         "int8": partial(_int8, q=q8, scale=s8),
         "w8a8": DynamicInt8Quant(w),
     }
@@ -76,7 +79,7 @@ def per_shape(rows: list[int]) -> None:
         for m in rows:
             reps = 100 if n < 10000 else 5
             x = torch.randn(m, k)
-            xb = x.bfloat16()
+            xb = x.to(ACT)
             cells = [f"{f}: {median_ms(fn, xb, reps=reps):.3f}" for f, fn in fns.items()]
             cells.append(f"fp32 F.linear: {median_ms(F.linear, x, w, reps=reps):.3f}")
             cells.append(f"int8 fp32-act: {median_ms(fns['int8'], x, reps=max(reps // 10, 2)):.3f}")
@@ -94,7 +97,7 @@ def decode_stack(rows: list[int]) -> None:
     layers = [{name: formats(torch.randn(n, k) * 0.02) for name, (n, k) in DECODER_SHAPES.items()}
               for _ in range(NUM_LAYERS)]
     for m in rows:
-        xs = {name: torch.randn(m, k).bfloat16() for name, (_, k) in DECODER_SHAPES.items()}
+        xs = {name: torch.randn(m, k).to(ACT) for name, (_, k) in DECODER_SHAPES.items()}
         cells = [f"{fmt}: {median_ms(_step, layers, xs, fmt):.2f}" for fmt in layers[0]["qkv"]]
         print(f"  rows {m:3d} | " + " | ".join(cells), flush=True)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm import cpu_isa
+from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import (
     DynamicInt8Quant,
@@ -38,10 +40,22 @@ logger = logging.getLogger(__name__)
 
 # mode -> (format of the decoder linears, weight-only head copy for few rows, top-k recomputed)
 FORMATS = {"int8": ("int8", None, 0), "int4": ("int8", "int4", 256)}
-# Rows up to which a weight-only kernel beats the alternative on the target CPU, with weights
-# streamed from memory as in a real forward pass: packed bf16 for the decoder linears, W8A8 for
-# the head (benchmarks/bench_linear_kernels.py).
-MAX_ROWS = {("linear", "int8"): 4, ("lm_head", "int4"): 8}
+
+
+def linear_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a decoder linear runs the int8 kernel rather than its float weight, with
+    weights streamed from memory as in a forward pass (benchmarks/bench_linear_kernels.py).
+    Against oneDNN's packed bf16 GEMM (AVX-512 bf16): 4. Against float32 (CPUs without native
+    bf16, or a float32 model), twice the bytes: 32 (18 layers at 32 rows on an AVX2 EPYC: 48 ms
+    vs 68)."""
+    return 4 if dtype == torch.bfloat16 and onednn_has_bf16() else 32
+
+
+def head_int4_max_rows() -> int:
+    """Rows up to which the LM head runs its int4 copy rather than its int8 one: 8 against
+    oneDNN's W8A8 GEMM with VNNI; without VNNI the int8 copy runs the C kernel, ahead from
+    8 rows on (on an AVX2 EPYC, 23 ms vs 32)."""
+    return 8 if cpu_isa.has_vnni() else 4
 
 
 @torch.no_grad()
@@ -67,7 +81,7 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
     meta: dict[str, dict] = {}
     for name, module in modules:
         if isinstance(module, Linear):
-            module.quant = quantize_weight(module.weight.data, linear_format, MAX_ROWS["linear", linear_format])
+            module.quant = quantize_weight(module.weight.data, linear_format, linear_max_rows(module.weight.dtype))
             meta[name] = _describe(module.quant, tensors, name)
         else:
             weight = module.tied_to.weight if module.tied_to is not None else module.weight
@@ -75,7 +89,7 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
             tensors[f"{name}.dynamic.qweight"], tensors[f"{name}.dynamic.scale"] = dynamic.int8_weight()
             few_rows = None
             if head_format is not None:
-                few_rows = quantize_weight(weight.data, head_format, MAX_ROWS["lm_head", head_format], write_back=False)
+                few_rows = quantize_weight(weight.data, head_format, head_int4_max_rows(), write_back=False)
             module.quant = QuantizedLMHead(dynamic, few_rows, top_k)
             meta[name] = {"top_k": top_k, "few_rows": few_rows and _describe(few_rows, tensors, f"{name}.few_rows")}
     if cache is not None:

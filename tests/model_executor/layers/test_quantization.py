@@ -75,7 +75,7 @@ def test_int8_takes_any_input_width(k, layout):
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(quant(x).float(), F.linear(x.bfloat16().float(), deq), atol=0.03, rtol=0.02)
     dyn = qz.DynamicInt8Quant(_weight(48, k))
-    torch.testing.assert_close(dyn(x).double(), _dynamic_reference(x, _weight(48, k), dyn.qmax), atol=2e-3, rtol=8e-3)
+    torch.testing.assert_close(dyn(x).double(), _dynamic_reference(x, _weight(48, k), dyn), atol=2e-3, rtol=8e-3)
 
 
 def test_int4_falls_back_to_int8_for_shapes_it_cannot_pack():
@@ -130,38 +130,62 @@ def test_int4_takes_the_largest_group_that_fits():
     assert qz.int4_group_size(40, 640) is None
 
 
-def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
-    """W8A8 in float64: per-channel int8 weight (in ±qmax), each row of x quantized with its
-    bf16 scale."""
-    q, w_scale = qz.quantize_int8(w, qmax)
+def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, dyn: qz.DynamicInt8Quant) -> torch.Tensor:
+    """What `dyn` computes for x, in float64: per-channel int8 weight (in ±qmax), times each row
+    of x quantized with its bf16 scale (W8A8, oneDNN) or, up to `kernel_rows` rows, times x
+    itself (the C kernel's ~15-bit activations are within the tolerance)."""
+    q, w_scale = qz.quantize_int8(w, dyn.qmax)
+    if x.shape[0] <= dyn.kernel_rows:
+        return x.double() @ (q.double() * w_scale.double()[:, None]).t()
     xf = x.float()
     x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12).bfloat16().double()
     xq = torch.round(xf.double() / x_scale)
     return (xq @ q.double().t()) * x_scale * w_scale.double()[None]
 
 
+@pytest.fixture(params=["onednn", "kernel"])
+def vnni(request, monkeypatch) -> bool:
+    """DynamicInt8Quant as built on a CPU with VNNI (oneDNN's W8A8 for every row count) and on
+    one without (the C int8 kernel up to `kernel_rows` rows, oneDNN above)."""
+    has = request.param == "onednn"
+    if not has and cpu_kernels.kernels() is None:
+        pytest.skip("no C kernels")
+    monkeypatch.setattr(qz, "w8a16_rows", lambda: 0 if has else qz.W8A16_ROWS_WITHOUT_VNNI)
+    return has
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dynamic_int8_matches_its_float64_reference(dtype):
+def test_dynamic_int8_matches_its_float64_reference(dtype, vnni):
     w = _weight(96, 64)
     dyn = qz.DynamicInt8Quant(w)
-    x = (torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
-    out = dyn(x)
-    assert out.dtype == dtype and out.shape == (5, 96)
-    ref = _dynamic_reference(x, w, dyn.qmax)
-    # int32 accumulation is exact; what is left is the bf16 output and its rescaling.
-    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=8e-3)
-    rel = (out.double() - F.linear(x.double(), w.double())).norm() / ref.norm()
-    assert rel < 0.02  # and it stays close to the unquantized layer
+    assert (dyn.kernel_rows == 0) == vnni
+    for rows in (5, 40):  # 40: above kernel_rows
+        x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+        out = dyn(x)
+        assert out.dtype == dtype and out.shape == (rows, 96)
+        ref = _dynamic_reference(x, w, dyn)
+        # int32 accumulation is exact; what is left is the bf16 output and its rescaling.
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=8e-3)
+        rel = (out.double() - F.linear(x.double(), w.double())).norm() / ref.norm()
+        assert rel < 0.02  # and it stays close to the unquantized layer
 
 
-def test_dynamic_int8_rows_do_not_depend_on_their_batch():
+def test_dynamic_int8_rows_do_not_depend_on_their_batch(vnni):
+    """Within a path: rows in one oneDNN batch (70 rows), and rows in one kernel batch (up to
+    kernel_rows), equal the same rows alone on that path."""
     dyn = qz.DynamicInt8Quant(_weight(256, 64))
     x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     x[5] *= 100  # an outlier row must not change the others' scales
     batch = dyn(x)
+    kernel_rows, dyn.kernel_rows = dyn.kernel_rows, 0
     for i in (0, 5, 69):
         assert torch.equal(dyn(x[i : i + 1]), batch[i : i + 1])
     assert torch.equal(dyn(x[:3]), batch[:3])
+    if kernel_rows:
+        dyn.kernel_rows = kernel_rows
+        few = dyn(x[:kernel_rows])
+        for i in (0, 5, kernel_rows - 1):
+            assert torch.equal(dyn(x[i : i + 1]), few[i : i + 1])
 
 
 def _tied_head(dtype):
