@@ -56,7 +56,15 @@ INLINE void w8_row(const int16_t *xq, int64_t kp, int M, const int8_t *wrow, int
         int64_t k1 = k0 + I8_CHUNK(W8_STEP) < k ? k0 + I8_CHUNK(W8_STEP) : k;
         w8vec acc[4];
         for (int r = 0; r < M; r++) acc[r] = W8_ZERO();
-        for (int64_t kk = k0; kk < k1; kk += W8_STEP) {
+        int64_t kk = k0;
+        for (; kk + 2 * W8_STEP <= k1; kk += 2 * W8_STEP) {  /* two full steps a turn, no tail test */
+            w8vec w0 = w8_load(wrow + kk, W8_STEP), w1 = w8_load(wrow + kk + W8_STEP, W8_STEP);
+            for (int r = 0; r < M; r++) {
+                acc[r] = W8_DOT(acc[r], W8_LOADX(xq + r * kp + kk), w0);
+                acc[r] = W8_DOT(acc[r], W8_LOADX(xq + r * kp + kk + W8_STEP), w1);
+            }
+        }
+        for (; kk < k1; kk += W8_STEP) {
             w8vec wv = w8_load(wrow + kk, k1 - kk);
             for (int r = 0; r < M; r++) acc[r] = W8_DOT(acc[r], W8_LOADX(xq + r * kp + kk), wv);
         }
@@ -114,6 +122,7 @@ static void w8_m1(const int16_t *xq, float sx, int64_t k, const int8_t *w, const
 }
 #endif
 
+#define I8_ROW_BLOCK 16
 #define W8_ROW_M(MM) w8_row(xq + r0 * kp, kp, MM, wrow, k, out)
 
 void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,
@@ -130,20 +139,26 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
         return;
     }
 #endif
+    /* Activation rows in blocks of I8_ROW_BLOCK, each a pass over the weight: a block's int16
+     * rows stay in L1 while every weight row meets them (32 rows of 640 do not fit: 32 rows through
+     * the 262144 x 640 head took 146 ms in one block and 106 in two, on an AVX2 EPYC). */
+    for (int64_t rb = 0; rb < m; rb += I8_ROW_BLOCK) {
+        int64_t re = rb + I8_ROW_BLOCK < m ? rb + I8_ROW_BLOCK : m;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nn = 0; nn < n; nn++) {
-        const int8_t *wrow = w + nn * k;
-        float ws = bf16_scalar(w_scale[nn]), b = bias ? load1(bias, y_bf16, nn) : 0.0f;
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-            float out[4];
-            int M = m - r0 < 4 ? (int)(m - r0) : 4;
-            switch (M) {  /* constant row counts, so the loops over rows unroll */
-                case 1: W8_ROW_M(1); break;
-                case 2: W8_ROW_M(2); break;
-                case 3: W8_ROW_M(3); break;
-                default: W8_ROW_M(4); break;
+        for (int64_t nn = 0; nn < n; nn++) {
+            const int8_t *wrow = w + nn * k;
+            float ws = bf16_scalar(w_scale[nn]), b = bias ? load1(bias, y_bf16, nn) : 0.0f;
+            for (int64_t r0 = rb; r0 < re; r0 += 4) {
+                float out[4];
+                int M = re - r0 < 4 ? (int)(re - r0) : 4;
+                switch (M) {  /* constant row counts, so the loops over rows unroll */
+                    case 1: W8_ROW_M(1); break;
+                    case 2: W8_ROW_M(2); break;
+                    case 3: W8_ROW_M(3); break;
+                    default: W8_ROW_M(4); break;
+                }
+                for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * n + nn, out[r] * sx[r0 + r] * ws + b);
             }
-            for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * n + nn, out[r] * sx[r0 + r] * ws + b);
         }
     }
     free(sx);

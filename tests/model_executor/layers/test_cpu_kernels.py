@@ -53,7 +53,7 @@ def _gemv(method, w, x, bias, group=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(37, 100), (64, 640), (6, 33), (130, 4100)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 35])  # 35: three blocks of activation rows
 def test_w8a16_linear(n, k, rows, dtype):
     w = _rand(n, k, scale=0.05)
     x, bias = _rand(rows, k, seed=1).to(dtype), _rand(n, seed=2).to(dtype)
@@ -104,13 +104,14 @@ def test_rows_do_not_depend_on_their_batch(method, n, k, dtype):
     w = _rand(n, k, scale=0.05)
     quant = qz.quantize_weight(w, method, max_rows=8, write_back=False)
     assert quant.layout == ("pagedllm" if KERNELS else "torch")
-    x = _rand(7, k, seed=4).to(dtype)
+    x = _rand(20, k, seed=4).to(dtype)  # more rows than one int8 block of activation rows
     x[3] *= 50
     for bias in (None, _rand(n, seed=5).to(dtype)):
         batch = quant(x, bias)
-        for i in range(7):
+        for i in (0, 1, 3, 6, 15, 16, 19):
             assert torch.equal(quant(x[i : i + 1], bias), batch[i : i + 1])
         assert torch.equal(quant(x[2:6], bias), batch[2:6])
+        assert torch.equal(quant(x[2:19], bias), batch[2:19])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
