@@ -34,20 +34,18 @@ _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
 _CHUNK_ROWS = 16384
 _KERNEL_DTYPE = torch.bfloat16
 _PACK_ROWS_HINT = 64  # rows oneDNN tunes its packed int8 layout for; any count runs
-# Rows up to which DynamicInt8Quant runs the C int8 kernel on CPUs without VNNI: at 262144 x 640
-# on an AVX2 EPYC it takes 59 ms for 16 rows where oneDNN's u8 x s8 GEMM takes 150, and 145 to
-# 170 ms at 32 (benchmarks/bench_linear_kernels.py).
-W8A16_ROWS_WITHOUT_VNNI = 32
 _MAX_KERNEL_K = 65536  # the C kernels' int32 accumulators are sized for inputs up to this
 # torch's int8 GEMV reads the inputs a vector (8 or 16) at a time with no tail: for other
 # widths it reads past the rows (a crash or garbage), so its weights get zero columns up to this.
 _TORCH_INT8_K_MULTIPLE = 16
 
 
-def w8a16_rows() -> int:
-    """Rows up to which DynamicInt8Quant runs the C int8 kernel: W8A16_ROWS_WITHOUT_VNNI where
-    oneDNN's u8 x s8 GEMM has no VNNI, else none."""
-    return 0 if cpu_isa.has_vnni() or cpu_kernels.kernels() is None else W8A16_ROWS_WITHOUT_VNNI
+def dynamic_runs_kernel() -> bool:
+    """Whether DynamicInt8Quant runs the C int8 kernel (int16 activations) instead of oneDNN's
+    u8 x s8 GEMM: where that has no VNNI (it adds pairs of products in saturating int16), and
+    the kernels are built. For the 262144 x 640 head on an AVX2 EPYC: 31 vs 31-150 ms at 16
+    rows, 151 vs 169 ms at 64, 301 vs 267 ms at 128 (benchmarks/bench_linear_kernels.py)."""
+    return not cpu_isa.has_vnni() and cpu_kernels.kernels() is not None
 
 
 def quantize_int8(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +189,11 @@ class DynamicInt8Quant(nn.Module):
         self.qmax = self.weight_qmax()
         self._int8 = quantized  # kept until `int8_weight` hands it over (e.g. to a cache)
         self.nbytes = qweight.numel() + 4 * scale.numel()
-        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [_PACK_ROWS_HINT, self.in_features])
-        # Without VNNI oneDNN's u8 x s8 GEMM is slow (saturating int16 pairs); up to
-        # `kernel_rows` rows the C int8 kernel on the same weight, int16 activations, beats it.
-        self.kernel_rows = w8a16_rows()
-        self._plain = quantized if self.kernel_rows else None
+        # One path at every row count, so a row's logits never depend on its batch.
+        self.runs_kernel = dynamic_runs_kernel()
+        self._plain = quantized if self.runs_kernel else None
+        self.packed = None if self.runs_kernel else torch.ops.onednn.qlinear_prepack(
+            qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())
         self.register_buffer("w_zero_points", torch.zeros(scale.numel(), dtype=torch.long))
         # bf16 halves the output's bytes, but only CPUs where oneDNN runs bf16 have a fast
@@ -205,8 +203,9 @@ class DynamicInt8Quant(nn.Module):
     @staticmethod
     def weight_qmax() -> int:
         """Without VNNI, oneDNN adds pairs of u8 x s8 products in saturating int16: weights up
-        to 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head)."""
-        return 127 if cpu_isa.has_vnni() else 64
+        to 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head).
+        The C kernel (int16 x int16 into int32) takes the full ±127."""
+        return 127 if cpu_isa.has_vnni() or dynamic_runs_kernel() else 64
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weight and bf16 scales before packing; given once, then dropped."""
@@ -216,8 +215,9 @@ class DynamicInt8Quant(nn.Module):
         return quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel_rows and cpu_kernels.usable(x):
-            return cpu_kernels.w8a16_linear(x, *self._plain, None)
+        if self.runs_kernel:
+            xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            return cpu_kernels.w8a16_linear(xk, *self._plain, None).to(x.dtype)
         xf = x.float()
         # Each row's scale is rounded to bf16 before use, so multiplying the output by it
         # undoes exactly the scale the row was quantized with.

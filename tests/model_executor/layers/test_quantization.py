@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm import cpu_isa
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
 from pagedllm.model_executor.layers.linear import Linear
@@ -132,10 +133,10 @@ def test_int4_takes_the_largest_group_that_fits():
 
 def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, dyn: qz.DynamicInt8Quant) -> torch.Tensor:
     """What `dyn` computes for x, in float64: per-channel int8 weight (in ±qmax), times each row
-    of x quantized with its bf16 scale (W8A8, oneDNN) or, up to `kernel_rows` rows, times x
-    itself (the C kernel's ~15-bit activations are within the tolerance)."""
+    of x quantized with its bf16 scale (W8A8, oneDNN) or times x itself (the C kernel: its
+    ~15-bit activations are within the tolerance)."""
     q, w_scale = qz.quantize_int8(w, dyn.qmax)
-    if x.shape[0] <= dyn.kernel_rows:
+    if dyn.runs_kernel:
         return x.double() @ (q.double() * w_scale.double()[:, None]).t()
     xf = x.float()
     x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12).bfloat16().double()
@@ -144,22 +145,24 @@ def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, dyn: qz.DynamicInt8Quan
 
 
 @pytest.fixture(params=["onednn", "kernel"])
-def vnni(request, monkeypatch) -> bool:
-    """DynamicInt8Quant as built on a CPU with VNNI (oneDNN's W8A8 for every row count) and on
-    one without (the C int8 kernel up to `kernel_rows` rows, oneDNN above)."""
-    has = request.param == "onednn"
-    if not has and cpu_kernels.kernels() is None:
+def dynamic_path(request, monkeypatch) -> str:
+    """DynamicInt8Quant as built on a CPU with VNNI (oneDNN's W8A8) and on one without (the C
+    int8 kernel, int16 activations), whichever this CPU is."""
+    kernel = request.param == "kernel"
+    if kernel and cpu_kernels.kernels() is None:
         pytest.skip("no C kernels")
-    monkeypatch.setattr(qz, "w8a16_rows", lambda: 0 if has else qz.W8A16_ROWS_WITHOUT_VNNI)
-    return has
+    monkeypatch.setattr(qz, "dynamic_runs_kernel", lambda: kernel)
+    if not kernel and not cpu_isa.has_vnni():  # weights in ±64, as on such a CPU
+        monkeypatch.setattr(qz.DynamicInt8Quant, "weight_qmax", staticmethod(lambda: 64))
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dynamic_int8_matches_its_float64_reference(dtype, vnni):
+def test_dynamic_int8_matches_its_float64_reference(dtype, dynamic_path):
     w = _weight(96, 64)
     dyn = qz.DynamicInt8Quant(w)
-    assert (dyn.kernel_rows == 0) == vnni
-    for rows in (5, 40):  # 40: above kernel_rows
+    assert dyn.runs_kernel == (dynamic_path == "kernel")
+    for rows in (5, 40):
         x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
         out = dyn(x)
         assert out.dtype == dtype and out.shape == (rows, 96)
@@ -170,22 +173,14 @@ def test_dynamic_int8_matches_its_float64_reference(dtype, vnni):
         assert rel < 0.02  # and it stays close to the unquantized layer
 
 
-def test_dynamic_int8_rows_do_not_depend_on_their_batch(vnni):
-    """Within a path: rows in one oneDNN batch (70 rows), and rows in one kernel batch (up to
-    kernel_rows), equal the same rows alone on that path."""
+def test_dynamic_int8_rows_do_not_depend_on_their_batch(dynamic_path):
     dyn = qz.DynamicInt8Quant(_weight(256, 64))
     x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     x[5] *= 100  # an outlier row must not change the others' scales
     batch = dyn(x)
-    kernel_rows, dyn.kernel_rows = dyn.kernel_rows, 0
     for i in (0, 5, 69):
         assert torch.equal(dyn(x[i : i + 1]), batch[i : i + 1])
     assert torch.equal(dyn(x[:3]), batch[:3])
-    if kernel_rows:
-        dyn.kernel_rows = kernel_rows
-        few = dyn(x[:kernel_rows])
-        for i in (0, 5, kernel_rows - 1):
-            assert torch.equal(dyn(x[i : i + 1]), few[i : i + 1])
 
 
 def _tied_head(dtype):
