@@ -65,7 +65,7 @@ class DecodePlan:
         self.hidden = torch.zeros(1, hidden_size, dtype=dtype)
         self.normed = torch.zeros(1, hidden_size, dtype=dtype)
         self.calls: list[Callable[[], object]] = []
-        self._keep: list[torch.Tensor] = []  # everything a bound pointer points into
+        self._keep: dict[int, torch.Tensor] = {}  # everything a bound pointer points into, by id
         for layer in layers:
             self._add_layer(layer)
         self._rms(model.norm, self.hidden, self.normed)
@@ -74,7 +74,7 @@ class DecodePlan:
 
     def _buffer(self, *shape: int) -> torch.Tensor:
         t = torch.zeros(*shape, dtype=self.dtype)
-        self._keep.append(t)
+        self._keep[id(t)] = t
         return t
 
     def _ptr(self, t: torch.Tensor | None) -> int | None:
@@ -82,7 +82,7 @@ class DecodePlan:
             return None
         if not t.is_contiguous():
             raise Unsupported("a non-contiguous operand")
-        self._keep.append(t)
+        self._keep[id(t)] = t
         return t.data_ptr()
 
     def _rms(self, norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, residual: bool = False) -> None:

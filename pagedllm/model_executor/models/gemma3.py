@@ -137,8 +137,6 @@ class Gemma3Model(nn.Module):
         if md is None or plan is False:
             return None
         kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
-        if plan is not None and plan.accepts(input_ids, md, kv_cache):
-            return plan
         if plan is None or kv_cache.data_ptr() != plan.kv_ptr or torch.get_num_threads() != plan.nthreads:
             try:
                 if os.environ.get("PAGEDLLM_DECODE_PLAN", "1") == "0":
