@@ -35,6 +35,7 @@ import pagedllm
 
 LAYERS = [
     "version",
+    "envs",
     "logger",
     "cpu_isa",
     "sampling_params",
