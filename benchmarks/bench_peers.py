@@ -5,7 +5,9 @@
 - W2: batch 1, 128 tokens out (`pagedllm bench latency` TPOT; `llama-bench -n 128`);
 - long prompt: prefill tok/s of one 4,096-token prompt (`pagedllm bench latency
   --input-len 4096 --output-len 1`, TTFT; `llama-bench -p 4096`);
-- start-up: pagedllm's engine start-up to ready, with a warm cache;
+- start-up: pagedllm's engine start-up to ready, with a warm cache (`bench latency`); and
+  launch to a healthy server, `pagedllm serve` on a first start (an empty PAGEDLLM_CACHE_DIR:
+  GGUF conversion, kernel build, weight quantization) and again warm, beside llama-server;
 - serving (`pagedllm bench compare`: random 128 in / 128 out, 64 prompts, 16 concurrent,
   ignore_eos) against `pagedllm serve` and `llama-server -np 16`: output tok/s, median TTFT,
   P99 ITL;
@@ -28,13 +30,14 @@ import io
 import json
 import os
 import re
-import socket
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
+
+from pagedllm.entrypoints.cli.bench_compare import LaunchedServer, launched_server, pagedllm_serve_cmd
 
 SERVE = ["--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--max-concurrency", "16"]
 PREFIX = ["--num-prompts", "32", "--random-prefix-len", "1024", "--input-len", "32", "--output-len", "32",
@@ -97,36 +100,34 @@ def _compare(gguf: str, workload: list[str], server_args: list[str], urls: list[
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: str, gguf: str, threads: int) -> Iterator[str]:
+def llama_server(bin_dir: str, gguf: str, threads: int) -> Iterator[LaunchedServer]:
     """`llama-server -np 16` on a free port: 16 slots of 1,024 tokens each."""
-    import httpx
+    def cmd(port: int) -> list[str]:
+        return [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-np", "16",
+                "-c", str(16 * 1024), "--host", "127.0.0.1", "--port", str(port)]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-np", "16", "-c", str(16 * 1024),
-           "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait()
+    with launched_server("llama-server", cmd, timeout=120) as server:
+        yield server
+
+
+def start_up_runs(bin_dir: str, gguf: str, threads: int, extra: list[str]) -> tuple[dict, dict]:
+    """Seconds from launch to a healthy server: `pagedllm serve` on an empty PAGEDLLM_CACHE_DIR
+    (GGUF conversion, kernel build, weight quantization), then again on the cache that start
+    left; llama-server beside it."""
+    mine = {}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-first-start-") as cache:
+        for key in ("serve ready s, first start", "serve ready s, warm cache"):
+            with launched_server("pagedllm-serve", pagedllm_serve_cmd(gguf, shlex.join(extra)), timeout=600,
+                                 env={"PAGEDLLM_CACHE_DIR": cache}) as server:
+                mine[key] = server.ready_s
+    with llama_server(bin_dir, gguf, threads) as server:
+        return mine, {"serve ready s, warm cache": server.ready_s}
 
 
 def serving_runs(bin_dir: str, gguf: str, threads: int, extra: list[str]) -> tuple[dict, dict]:
     """(pagedllm's, llama-server's) serving figures from one round."""
-    with llama_server(bin_dir, gguf, threads) as url:
-        both = _compare(gguf, SERVE, extra, [f"llama.cpp={url}"])
+    with llama_server(bin_dir, gguf, threads) as server:
+        both = _compare(gguf, SERVE, extra, [f"llama.cpp={server.url}"])
     return tuple(  # type: ignore[return-value]
         {"serve output tok/s": m["output_throughput"], "serve TTFT p50 ms": m["median_ttft_ms"],
          "serve ITL p99 ms": m["p99_itl_ms"]}
@@ -146,8 +147,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp-bin", required=True, help="directory with llama-bench, llama-batched-bench")
     parser.add_argument("--gguf", default=None, help="default: the default model's GGUF")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--parts", default="offline,serve,prefix",
-                        help="comma-separated subset of offline (W1, W2, prefill, start-up), serve, prefix")
+    parser.add_argument("--parts", default="offline,start,serve,prefix",
+                        help="comma-separated subset of offline (W1, W2, prefill, start-up), start (server "
+                             "start-up, first and warm), serve, prefix")
     parser.add_argument("pagedllm_args", nargs="*", help="extra arguments for every pagedllm command (after --)")
     args = parser.parse_args()
     if args.gguf is None:
@@ -164,6 +166,10 @@ def main() -> None:
         if "offline" in parts:
             mine |= pagedllm_runs(args.pagedllm_args)
             theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads)
+        if "start" in parts:
+            start_mine, start_theirs = start_up_runs(args.llama_cpp_bin, args.gguf, threads, args.pagedllm_args)
+            mine |= start_mine
+            theirs |= start_theirs
         if "serve" in parts:
             serve_mine, serve_theirs = serving_runs(args.llama_cpp_bin, args.gguf, threads, args.pagedllm_args)
             mine |= serve_mine
@@ -182,7 +188,7 @@ def main() -> None:
             print(f"| {key} | {runs} | | |")
             continue
         a, b = statistics.median(values), statistics.median(peer[key])
-        ratio = b / a if " ms" in key else a / b  # > 1: pagedllm ahead
+        ratio = b / a if " ms" in key or key.startswith("serve ready") else a / b  # > 1: pagedllm ahead
         peer_runs = " / ".join(f"{v:.1f}" for v in peer[key])
         print(f"| {key} | {runs} | {peer_runs} | {ratio:.2f}x |")
     if "prefix" in parts:

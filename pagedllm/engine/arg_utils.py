@@ -31,6 +31,7 @@ from pagedllm.config import (
     parse_speculative_config,
     resolve_device,
 )
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.models.registry import ModelRegistry
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import is_hub_id, resolve_hub_model, resolve_model_path
@@ -105,6 +106,8 @@ class EngineArgs:
                                                 self.data_parallel_size, self.distributed_executor_backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
+        if device.type == "cpu":
+            cpu_kernels.build_in_background()  # a first start compiles while the model converts
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model

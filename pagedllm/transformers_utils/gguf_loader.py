@@ -33,6 +33,7 @@ from pagedllm.transformers_utils.gguf_archs import (
     split_experts,
     tidy_floats,
 )
+from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reader, shared_gguf_reader
 
 logger = logging.getLogger(__name__)
 __all__ = ["SUPPORTED_GGUF_ARCHS", "convert_gguf", "gguf_is_quantized"]
@@ -46,8 +47,9 @@ def _cache_root(cache_dir: str | None) -> Path:
 
 
 # Bumped when the conversion's output changes, so older cache entries are redone once.
-# 2: gguf_source.json lists the GGUF's tensor types; 3: names from gguf's TensorNameMap, config completions
-_CONVERSION_VERSION = 3
+# 2: gguf_source.json lists the GGUF's tensor types; 3: names from gguf's TensorNameMap, config completions;
+# 4: tokenizer_config.json names the generic TokenizersBackend
+_CONVERSION_VERSION = 4
 
 
 def _cache_key(path: str) -> str:
@@ -134,15 +136,6 @@ def _remove_stale_tmp_dirs(root: Path, key: str) -> None:
             pass
 
 
-def _open_reader(src: str) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(src)
-    except Exception as exc:  # bad magic, truncated or empty file, unsupported version
-        raise ValueError(f"{src} is not a readable GGUF file: {exc}") from exc
-
-
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -150,7 +143,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _convert_into(src: str, out: Path) -> None:
     """Write the whole HF-style checkpoint for `src` into the (empty) directory `out`."""
-    reader = _open_reader(src)
+    reader = open_gguf_reader(src)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(
@@ -165,10 +158,12 @@ def _convert_into(src: str, out: Path) -> None:
     link = out / "_source.gguf"
     os.symlink(src, link)
     try:
-        config = _build_config(str(link), reader, arch)
-        config.save_pretrained(out)
-        tokenizer = _build_tokenizer(out, link.name, config.model_type)
-        tokenizer.save_pretrained(out)
+        with shared_gguf_reader(reader, src):  # transformers' helpers reopen it by path
+            config = _build_config(str(link), reader, arch)
+            config.save_pretrained(out)
+            tokenizer = _build_tokenizer(out, link.name, config.model_type)
+            tokenizer.save_pretrained(out)
+        _name_generic_tokenizer_class(out)
     finally:
         link.unlink()
     _build_generation_config(config, tokenizer).save_pretrained(out)
@@ -186,7 +181,8 @@ def _build_config(link: str, reader: Any, arch: str) -> Any:
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = load_gguf_checkpoint(link, return_tensors=False)["config"]
+    with shared_gguf_reader(config_view(reader, arch), link):
+        cfg = load_gguf_checkpoint(link, return_tensors=False)["config"]
     cfg.pop("_model_name_or_path", None)
     complete_config(cfg, arch, lambda key: _field(reader, key), {t.name: t for t in reader.tensors})
     config = AutoConfig.for_model(**tidy_floats(cfg))
@@ -224,6 +220,21 @@ def _build_tokenizer(dirname: Path, filename: str, model_type: str) -> Any:
     if cls is None or name in ("MistralCommonBackend", "PythonBackend"):
         cls = TokenizersBackend
     return cls.from_pretrained(str(dirname), gguf_file=filename)
+
+
+def _name_generic_tokenizer_class(out: Path) -> None:
+    """Name transformers 5's generic TokenizersBackend in tokenizer_config.json. tokenizer.json
+    already holds the whole tokenizer (normalizer, BOS post-processor, specials); a
+    model-specific class (GemmaTokenizer, ...) rebuilds it on every start from a Python parse
+    of that file, ~2 s more for a 262k vocabulary."""
+    try:
+        from transformers import TokenizersBackend  # noqa: F401
+    except ImportError:  # transformers 4.x: its fast classes load tokenizer.json directly
+        return
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "TokenizersBackend"
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _build_generation_config(config: Any, tokenizer: Any) -> Any:

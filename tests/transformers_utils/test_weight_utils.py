@@ -36,3 +36,7 @@ def test_slices_read_only_their_bytes(tmp_path):
         assert torch.equal(lazy.narrow(0, 2, 3), w[2:5]) and counting.bytes_read == 3 * 8 * 4
         assert torch.equal(lazy.narrow(1, 4, 4), w[:, 4:]) and counting.bytes_read == 3 * 8 * 4 + 6 * 4 * 4
         assert torch.equal(lazy.load(), w)
+        # every column (a row-parallel weight at one rank): one read, not one per row
+        reads = []
+        counting.readinto = lambda buf, _inner=counting.readinto: reads.append(len(buf)) or _inner(buf)
+        assert torch.equal(lazy.narrow(1, 0, 8), w) and reads == [6 * 8 * 4]

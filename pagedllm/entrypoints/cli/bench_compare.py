@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedllm.entrypoints.cli.bench_serve import _run, add_workload_args, check_workload_args
@@ -157,24 +158,30 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace, path: str
     plt.close(fig)
 
 
+@dataclasses.dataclass(slots=True)
+class LaunchedServer:
+    url: str
+    ready_s: float  # from the launch to the first 200 from /health
+
+
 @contextlib.contextmanager
-def _pagedllm_server(args: argparse.Namespace) -> Iterator[str | None]:
-    """`pagedllm serve --model` on a free local port for the run (its URL), or None without --model."""
-    if not args.model:
-        yield None
-        return
+def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout: float,
+                    env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
+    """Run `cmd_for_port(port)` on a free local port until the block ends, once its /health
+    answers 200. Its output goes to a log file, kept (and quoted) when it fails to start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--uvicorn-log-level", "warning", *shlex.split(args.server_args)]
-    log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-bench-compare-", suffix=".log", delete=False)
-    print(f"Starting {shlex.join(['pagedllm', *cmd[3:]])} (log: {log.name})", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    cmd = cmd_for_port(port)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
+    print(f"Starting {shlex.join(cmd)} (log: {log.name})", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=None if env is None else os.environ | env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log.name, args.server_timeout)
-        yield url
+        _wait_healthy(name, proc, url, log.name, timeout)
+        yield LaunchedServer(url, time.monotonic() - start)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -186,7 +193,23 @@ def _pagedllm_server(args: argparse.Namespace) -> Iterator[str | None]:
     os.unlink(log.name)  # kept when the start or the run failed
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+def pagedllm_serve_cmd(model: str, server_args: str) -> Callable[[int], list[str]]:
+    return lambda port: [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--host",
+                         "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning", *shlex.split(server_args)]
+
+
+@contextlib.contextmanager
+def _pagedllm_server(args: argparse.Namespace) -> Iterator[str | None]:
+    """`pagedllm serve --model` on a free local port for the run (its URL), or None without --model."""
+    if not args.model:
+        yield None
+        return
+    with launched_server("pagedllm-serve", pagedllm_serve_cmd(args.model, args.server_args),
+                         args.server_timeout) as server:
+        yield server.url
+
+
+def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -194,10 +217,10 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: floa
         if proc.poll() is not None:
             with open(log_path, encoding="utf-8", errors="replace") as f:
                 tail = f.read()[-3000:]
-            raise ValueError(f"the pagedllm server exited with {proc.returncode} before it was ready:\n{tail}")
+            raise ValueError(f"{name} exited with {proc.returncode} before it was ready:\n{tail}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise ValueError(f"the pagedllm server was not ready after {timeout:.0f} s; its log: {log_path}")
-        time.sleep(0.5)
+            raise ValueError(f"{name} was not ready after {timeout:.0f} s; its log: {log_path}")
+        time.sleep(0.05)

@@ -5,10 +5,12 @@ metrics and a guaranteed abort (a request that stops being read must free its bl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -78,17 +80,25 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PREP_WORKERS, functools.partial(fn, *args, **kwargs))
 
 
+_MAX_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
 def max_chars_per_token(tokenizer: Any) -> int:
     """The longest vocabulary entry, in characters: no token covers more text than that, so a
     text longer than `limit * this` holds more than `limit` tokens (a cheap pre-tokenization
     guard). Byte-level entries spell a multi-byte character with several characters, which
-    keeps the bound safe."""
+    keeps the bound safe. Measured once per tokenizer: every serving class asks."""
+    with contextlib.suppress(KeyError, TypeError):
+        return _MAX_CHARS[tokenizer]
     try:
         tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        return max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
     except Exception:  # an unusual tokenizer: a generous fixed bound
         logger.debug("could not measure the vocabulary's longest token", exc_info=True)
         return 64
+    with contextlib.suppress(TypeError):  # not weakly referable: measured again next time
+        _MAX_CHARS[tokenizer] = longest
+    return longest
 
 
 def _vocab_size(model_config: Any, tokenizer: Any) -> int:

@@ -16,12 +16,14 @@ every caller keeps its torch path.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,7 +92,10 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(isa: str) -> ctypes.CDLL:
+def _ensure_built(isa: str) -> Path:
+    """The path of `isa`'s library in the cache, compiling it first where it is missing. One
+    build at a time per cache directory (a file lock), so the engine's background build, its
+    workers and concurrent processes never compile the same library twice."""
     cc = os.environ.get("CC", "gcc")
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
     flags = _FLAGS + isa_flags(isa) + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
@@ -99,12 +104,37 @@ def _build(isa: str) -> ctypes.CDLL:
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id(), isa]).encode())
     target = _cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
-    for attempt in range(2):
-        if not target.exists():
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not target.exists():  # nobody built it while this waited
             start = time.perf_counter()
             _compile([cc, *flags], sources, target)
             logger.info("C kernels compiled in %.1f s (first start only: cached in %s)", time.perf_counter() - start,
                         target)
+    return target
+
+
+def build_in_background() -> None:
+    """Start compiling the selected level's library on a daemon thread: gcc runs on another core
+    while a first start converts the model, and `kernels()` then finds the library built."""
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0" or _lib is not _UNSET:
+        return
+
+    def build() -> None:
+        try:
+            _ensure_built(cpu_isa.selected())
+        except (OSError, subprocess.CalledProcessError):
+            pass  # kernels() tries again and says why
+
+    threading.Thread(target=build, name="pagedllm-kernel-build", daemon=True).start()
+
+
+def _build(isa: str) -> ctypes.CDLL:
+    for attempt in range(2):
+        target = _ensure_built(isa)
         try:
             lib = ctypes.CDLL(str(target))
             break
@@ -120,7 +150,6 @@ def _build(isa: str) -> ctypes.CDLL:
 
 
 def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent processes never load half a file.
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)

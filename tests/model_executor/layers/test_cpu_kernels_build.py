@@ -49,7 +49,7 @@ def test_turned_off_or_failing_compiler_means_torch_paths(fresh, monkeypatch, tm
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
     assert _reload(monkeypatch) is None
-    assert fresh.is_dir() and not list(fresh.iterdir())  # nothing half-built left behind
+    assert fresh.is_dir() and [p.name for p in fresh.iterdir()] == [".build.lock"]  # nothing half-built
     norm = GemmaRMSNorm(32)
     x = torch.randn(3, 32)
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
@@ -91,6 +91,26 @@ def test_levels_and_their_paths(monkeypatch):
     assert cpu_kernels.runnable_isas() == ["avx2", "generic"]
     with pytest.raises(ValueError, match="no kernels"):
         cpu_kernels.isa_flags("sse9")
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
+def test_background_build_then_kernels_compiles_once(fresh, monkeypatch, tmp_path):
+    """The engine starts the build while the model converts; `kernels()`, called before that
+    build is done, waits for it (a file lock) instead of compiling the library a second time."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "generic")
+    cc, log = _recording_cc(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    cpu_kernels.build_in_background()
+    deadline = time.time() + 30
+    while not log.exists() or "-o" not in log.read_text():  # the background gcc has started
+        assert time.time() < deadline
+        time.sleep(0.01)
+    lib = cpu_kernels.kernels()
+    assert lib is not None and lib.pl_isa == "generic"
+    compiles = [line for line in log.read_text().splitlines() if "--version" not in line]
+    assert len(compiles) == 1 and len(list(fresh.glob("*.so"))) == 1
+    cpu_kernels.build_in_background()  # loaded already: nothing to do
+    assert [line for line in log.read_text().splitlines() if "--version" not in line] == compiles
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")

@@ -1,0 +1,85 @@
+"""The fast GGUF metadata reader: the same fields as gguf's own reader, one parse shared with
+transformers' helpers during a conversion, and a config view without the per-token arrays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reader, shared_gguf_reader
+
+VOCAB = 3000  # above the config view's cut-off for an array
+
+
+def _write(path: Path, with_vocab_size: bool) -> None:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(2)
+    w.add_context_length(128)
+    if with_vocab_size:
+        w.add_vocab_size(VOCAB)
+    w.add_token_list([f"tok{i}" for i in range(VOCAB)])
+    w.add_token_scores([float(-i) for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_array("llama.some.list", [1, 2, 3])
+    w.add_float32("llama.some.float", 0.5)
+    w.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_same_fields_and_tensors_as_gguf_reader(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write(path, with_vocab_size=False)
+    stock, fast = gguf.GGUFReader(str(path)), open_gguf_reader(str(path))
+    assert list(stock.fields) == list(fast.fields)
+    for key, field in stock.fields.items():
+        other = fast.fields[key]
+        assert (field.offset, field.data, field.types) == (other.offset, other.data, other.types)
+        assert len(field.parts) == len(other.parts)
+        for a, b in zip(field.parts, other.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert field.contents() == other.contents()
+    assert [t.name for t in stock.tensors] == [t.name for t in fast.tensors]
+    np.testing.assert_array_equal(stock.tensors[0].data, fast.tensors[0].data)
+
+
+def test_not_a_gguf_file_is_a_value_error(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        open_gguf_reader(str(path))
+
+
+def test_shared_reader_serves_its_file_and_links_to_it(tmp_path):
+    path, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    _write(path, with_vocab_size=False)
+    _write(other, with_vocab_size=True)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(path)
+    reader = open_gguf_reader(str(path))
+    stock = gguf.GGUFReader
+    with shared_gguf_reader(reader, str(path)):
+        assert gguf.GGUFReader(str(link)) is reader and gguf.GGUFReader(path) is reader
+        parsed = gguf.GGUFReader(str(other))
+        assert parsed is not reader and "llama.vocab_size" in parsed.fields
+    assert gguf.GGUFReader is stock
+
+
+@pytest.mark.parametrize("with_vocab_size", [True, False])
+def test_config_view_drops_per_token_arrays(tmp_path, with_vocab_size):
+    path = tmp_path / "m.gguf"
+    _write(path, with_vocab_size)
+    reader = open_gguf_reader(str(path))
+    view = config_view(reader, "llama")
+    dropped = set(reader.fields) - set(view.fields)
+    expected = {"tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+    # without a vocab_size, transformers counts the token list: it stays
+    assert dropped == (expected | {"tokenizer.ggml.tokens"} if with_vocab_size else expected)
+    assert view.fields["llama.some.list"].contents() == [1, 2, 3]
+    assert view.tensors is reader.tensors
