@@ -6,6 +6,9 @@ One file per checkpoint and everything the result depends on: the weight files (
 modification time), the mode, the activation dtype, the kernel build level, the W8A8 head's
 weight range (VNNI or not), the rank's shard and stage, and the quantization code itself. A
 file that fails to load is ignored and replaced. `PAGEDLLM_QUANT_CACHE=0` turns it off.
+
+Every new version, quantization mode or converted checkpoint makes a new file (~360 MB for the
+default model): a write removes the files no start has read for `STALE_DAYS`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _CODE = (Path(qz.__file__), Path(__file__).with_name("quantize.py"))
+STALE_DAYS = 7
 
 
 def cache_dir() -> Path:
@@ -64,6 +69,20 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, dict]) ->
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _remove_stale(path.parent)
+
+
+def _remove_stale(directory: Path) -> None:
+    """Files no start has read for STALE_DAYS (`load` marks a file read), and temporary files a
+    killed process left a day ago or more."""
+    now = time.time()
+    for entry in directory.glob("*.safetensors"):
+        age = STALE_DAYS * 86400 if not entry.name.startswith(".quant-") else 86400
+        try:
+            if entry.stat().st_mtime < now - age:
+                entry.unlink()  # a process that has it open keeps reading it
+        except FileNotFoundError:  # another process removed it first
+            pass
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -71,4 +90,9 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
 
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["modules"])
-    return load_file(str(path)), meta
+    tensors = load_file(str(path))
+    try:
+        os.utime(path)  # read now: not stale
+    except OSError:  # a read-only shared cache: it ages, and its owner's writes prune it
+        pass
+    return tensors, meta

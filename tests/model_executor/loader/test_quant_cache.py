@@ -5,6 +5,7 @@ mode or PAGEDLLM_QUANT_CACHE=0 quantizes again; a damaged file is ignored and re
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -57,3 +58,24 @@ def test_turned_off(model_dir, tmp_path, monkeypatch):
     _start(model_dir, monkeypatch)
     assert _start(model_dir, monkeypatch)[1] > 0
     assert not (tmp_path / "cache" / "quantized").exists()
+
+
+def test_files_unread_for_a_week_go_when_another_is_written(model_dir, tmp_path, monkeypatch):
+    from pagedllm.model_executor.loader import quant_cache
+
+    cache = tmp_path / "cache" / "quantized"
+    _start(model_dir, monkeypatch)
+    (used,) = cache.glob("*.safetensors")
+    old = time.time() - (quant_cache.STALE_DAYS + 1) * 86400
+    os.utime(used, (old, old))
+    assert _start(model_dir, monkeypatch)[1] == 0  # read: marked fresh again
+    assert used.stat().st_mtime > old + 86400
+    stale, recent, dead_tmp = cache / "stale.safetensors", cache / "recent.safetensors", cache / ".quant-x.safetensors"
+    for path, age_days in ((stale, quant_cache.STALE_DAYS + 1), (recent, quant_cache.STALE_DAYS - 1), (dead_tmp, 2)):
+        path.write_bytes(b"x")
+        t = time.time() - age_days * 86400
+        os.utime(path, (t, t))
+    _start(model_dir, monkeypatch, "int8")  # writes another file, which prunes
+    names = {p.name for p in cache.glob("*.safetensors")}
+    assert used.name in names and "recent.safetensors" in names and len(names) == 3
+    assert not stale.exists() and not dead_tmp.exists()
