@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -229,34 +231,56 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or (t.dtype == dtype and t.is_contiguous()) else t.to(dtype).contiguous()
 
 
+Call = Callable[[], None]
+
+
+def _bound(kernel: Callable[..., None], *args: object) -> Call:
+    """kernel(*args) as a call to run now or replay: tensors become their data pointers (None
+    stays NULL), and the call keeps those tensors alive. Each op below has a `bind_*` that the
+    decode plan replays and that its eager wrapper runs once."""
+    call = partial(kernel, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+    call.keep = tuple(a for a in args if isinstance(a, torch.Tensor))  # type: ignore[attr-defined]
+    return call
+
+
+def bind_w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                      y: torch.Tensor, nthreads: int) -> Call:
+    """y [M, N] = x [M, K] @ (qweight [N, K] int8 * scales [N] bf16)^T (+ bias), all contiguous,
+    bias and y in x's dtype."""
+    n, k = qweight.shape
+    flag = _is_bf16(x)
+    return _bound(kernels().pl_w8a16_linear, x, flag, x.shape[0], k, qweight, scales, bias, n, y, flag, nthreads)
+
+
+def bind_w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                      bias: torch.Tensor | None, y: torch.Tensor, nthreads: int) -> Call:
+    """`bind_w8a16_linear` for an int4 weight in `pack_int4`'s layout."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    flag = _is_bf16(x)
+    return _bound(kernels().pl_w4a16_linear, x, flag, x.shape[0], k, packed, scales_zeros, group_size, bias, n, y,
+                  flag, nthreads)
+
+
 def w8a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [.., K] @ (qweight [N, K] int8 * scales [N] bf16)^T: activations as int16 per row."""
-    n, k = qweight.shape
-    return _weight_only(kernels().pl_w8a16_linear, x, n, k, (qweight.data_ptr(), scales.data_ptr()), bias)
+    return _weight_only(partial(bind_w8a16_linear, qweight=qweight, scales=scales), x, *qweight.shape, bias)
 
 
 def w4a16_linear(
     x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [.., K] @ int4 weight (`pack_int4`'s layout and scales)."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    weight = (packed.data_ptr(), scales_zeros.data_ptr(), group_size)
-    return _weight_only(kernels().pl_w4a16_linear, x, n, k, weight, bias)
+    bind = partial(bind_w4a16_linear, packed=packed, scales_zeros=scales_zeros, group_size=group_size)
+    return _weight_only(bind, x, packed.shape[0], packed.shape[1] * 2, bias)
 
 
-def _weight_only(kernel, x: torch.Tensor, n: int, k: int, weight: tuple, bias: torch.Tensor | None) -> torch.Tensor:
-    """The calling convention both GEMV kernels share: (x, dtype flag, rows, K, *weight, bias,
-    N, y, dtype flag, threads); y in x's dtype, shaped like x with N last."""
+def _weight_only(bind: Callable[..., Call], x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Either GEMV on x [.., K]: y in x's dtype, shaped like x with N last."""
     x2 = _rows(x, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    flag = _is_bf16(x2)
-    bias = _as(bias, x.dtype)
-    kernel(
-        x2.data_ptr(), flag, x2.shape[0], k, *weight, bias.data_ptr() if bias is not None else None, n,
-        y.data_ptr(), flag, torch.get_num_threads(),
-    )
+    bind(x=x2, bias=_as(bias, x.dtype), y=y, nthreads=torch.get_num_threads())()
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -282,8 +306,6 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [S, Hq, D] (one token per sequence) against caches [blocks, block_size, Hk, D]."""
-    num_seqs, hq, d = q.shape
-    hk, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype):
         raise ValueError("paged_decode_attention: caches must be contiguous, in q's dtype")
     q = q.contiguous()
@@ -291,12 +313,20 @@ def paged_decode_attention(
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    kernels().pl_paged_decode_attention(
-        q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), window or 0, scale, out.data_ptr(),
-        torch.get_num_threads(),
-    )
+    bind_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale, out,
+                                torch.get_num_threads())()
     return out
+
+
+def bind_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
+                                out: torch.Tensor, nthreads: int) -> Call:
+    """`paged_decode_attention` into `out`; q and the caches contiguous, block_tables and seq_lens
+    int64 with unit inner stride."""
+    num_seqs, hq, d = q.shape
+    hk, block_size = k_cache.shape[2], k_cache.shape[1]
+    return _bound(kernels().pl_paged_decode_attention, q, num_seqs, hq, hk, d, k_cache, v_cache, block_size,
+                  _is_bf16(q), block_tables, block_tables.stride(0), seq_lens, window or 0, scale, out, nthreads)
 
 
 def rms_norm(
@@ -307,19 +337,27 @@ def rms_norm(
     shape, cols = x.shape, x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.dim() == 3:
-        inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
-    else:
-        x = x if x.dim() == 2 else x.reshape(-1, cols)
-        inner, stride_outer, stride_inner = 1, x.stride(0), 0
+    if x.dim() not in (2, 3):
+        x = x.reshape(-1, cols)
     out = torch.empty(x.shape, dtype=x.dtype)
     if residual is not None:
         residual = residual.to(x.dtype).contiguous()
-    kernels().pl_rms_norm(
-        x.data_ptr(), out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x), weight.data_ptr(),
-        eps, gemma, residual.data_ptr() if residual is not None else None, out.data_ptr(), torch.get_num_threads(),
-    )
+    bind_rms_norm(x, weight, eps, gemma, residual, out, torch.get_num_threads())()
     return out.view(shape)
+
+
+def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, residual: torch.Tensor | None,
+                  out: torch.Tensor, nthreads: int) -> Call:
+    """`rms_norm` into a contiguous `out` of x's shape; x 2-D or 3-D with a unit last stride
+    (its other strides are passed), `residual` contiguous (it may be `out`: each vector is read
+    before it is written)."""
+    cols = x.shape[-1]
+    if x.dim() == 3:
+        inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
+    else:
+        inner, stride_outer, stride_inner = 1, x.stride(0), 0
+    return _bound(kernels().pl_rms_norm, x, out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x),
+                  weight, eps, gemma, residual, out, nthreads)
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -351,9 +389,13 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x, 2 * d)
     out = torch.empty((x2.shape[0], d), dtype=x.dtype)
-    kernels().pl_act_and_mul(x2.data_ptr(), _is_bf16(x2), x2.shape[0], d, ACTIVATIONS[act], out.data_ptr(),
-                             torch.get_num_threads())
+    bind_act_and_mul(x2, ACTIVATIONS[act], out, torch.get_num_threads())()
     return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
+
+
+def bind_act_and_mul(x: torch.Tensor, act_id: int, out: torch.Tensor, nthreads: int) -> Call:
+    """`act_and_mul` of a contiguous x [rows, 2 d] into out [rows, d]; `act_id` from `ACTIVATIONS`."""
+    return _bound(kernels().pl_act_and_mul, x, _is_bf16(x), x.shape[0], out.shape[1], act_id, out, nthreads)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -382,11 +424,16 @@ def qk_norm_rope(
     tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
-    q_w, k_w, eps, gemma = norms if norms is not None else (None, None, 0.0, False)
-    kernels().pl_qk_norm_rope(
-        qkv.data_ptr(), _is_bf16(qkv), tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
-        q_w.data_ptr() if q_w is not None else None, k_w.data_ptr() if k_w is not None else None, eps, gemma,
-        cos_cache.data_ptr(), sin_cache.data_ptr(), positions.data_ptr(), cos_cache.shape[1], q.data_ptr(),
-        k.data_ptr(), torch.get_num_threads(),
-    )
+    bind_qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, norms, cos_cache, sin_cache, positions, q, k,
+                      torch.get_num_threads())()
     return q, k
+
+
+def bind_qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                      norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None, cos_cache: torch.Tensor,
+                      sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      nthreads: int) -> Call:
+    """`qk_norm_rope` into contiguous q [T, Hq, D] and k [T, Hk, D]; qkv rows may be strided."""
+    q_w, k_w, eps, gemma = norms if norms is not None else (None, None, 0.0, False)
+    return _bound(kernels().pl_qk_norm_rope, qkv, _is_bf16(qkv), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads,
+                  head_dim, q_w, k_w, eps, gemma, cos_cache, sin_cache, positions, cos_cache.shape[1], q, k, nthreads)

@@ -46,8 +46,7 @@ class DecodePlan:
         dtype = model.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"dtype {dtype}")
-        self.lib, self.dtype, self.nthreads = lib, dtype, torch.get_num_threads()
-        self.flag = int(dtype == torch.bfloat16)
+        self.dtype, self.nthreads = dtype, torch.get_num_threads()
         self.embed, self.embed_scale = model.embed_tokens, torch.tensor(model.embed_scale, dtype=dtype)
         hidden_size = self.embed.weight.shape[1]
         self.kv_ptr = first.attn.kv_cache.data_ptr()
@@ -65,7 +64,6 @@ class DecodePlan:
         self.hidden = torch.zeros(1, hidden_size, dtype=dtype)
         self.normed = torch.zeros(1, hidden_size, dtype=dtype)
         self.calls: list[Callable[[], object]] = []
-        self._keep: dict[int, torch.Tensor] = {}  # everything a bound pointer points into, by id
         for layer in layers:
             self._add_layer(layer)
         self._rms(model.norm, self.hidden, self.normed)
@@ -73,28 +71,23 @@ class DecodePlan:
     # -- building --
 
     def _buffer(self, *shape: int) -> torch.Tensor:
-        t = torch.zeros(*shape, dtype=self.dtype)
-        self._keep[id(t)] = t
-        return t
+        return torch.zeros(*shape, dtype=self.dtype)  # the calls bound to it keep it alive
 
-    def _ptr(self, t: torch.Tensor | None) -> int | None:
-        if t is None:
-            return None
+    @staticmethod
+    def _dense(t: torch.Tensor) -> torch.Tensor:
+        """A model tensor a bound call will point into: the kernels read it as dense."""
         if not t.is_contiguous():
             raise Unsupported("a non-contiguous operand")
-        self._keep[id(t)] = t
-        return t.data_ptr()
+        return t
 
     def _rms(self, norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, residual: bool = False) -> None:
         """out = norm(x) (+ out, in place, with `residual`: the kernel reads each residual vector
         before writing it)."""
         if not isinstance(norm, GemmaRMSNorm):
             raise Unsupported(f"norm {type(norm).__name__}")
-        rows, cols = x.shape
-        w = norm.kernel_weight(x)
-        self.calls.append(partial(
-            self.lib.pl_rms_norm, self._ptr(x), rows, cols, 1, cols, 0, self.flag, self._ptr(w), norm.eps, 1,
-            self._ptr(out) if residual else None, self._ptr(out), self.nthreads))
+        w = self._dense(norm.kernel_weight(x))
+        self.calls.append(cpu_kernels.bind_rms_norm(x, w, norm.eps, True, out if residual else None, out,
+                                                    self.nthreads))
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
         quant = linear.quant
@@ -103,14 +96,12 @@ class DecodePlan:
         if getattr(linear, "tp_size", 1) != 1:
             raise Unsupported("tensor parallel")
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).contiguous()
-        k, n = linear.in_features, quant.out_features
+        qweight, scales = self._dense(quant.qweight), self._dense(quant.scales)
         if quant.method == "int8":
-            fn, weight = self.lib.pl_w8a16_linear, (self._ptr(quant.qweight), self._ptr(quant.scales))
+            call = cpu_kernels.bind_w8a16_linear(x, qweight, scales, bias, out, self.nthreads)
         else:
-            fn = self.lib.pl_w4a16_linear
-            weight = (self._ptr(quant.qweight), self._ptr(quant.scales), quant.group_size)
-        self.calls.append(partial(fn, self._ptr(x), self.flag, 1, k, *weight, self._ptr(bias), n, self._ptr(out),
-                                  self.flag, self.nthreads))
+            call = cpu_kernels.bind_w4a16_linear(x, qweight, scales, quant.group_size, bias, out, self.nthreads)
+        self.calls.append(call)
 
     def _add_layer(self, layer: torch.nn.Module) -> None:
         attn_mod, mlp = layer.self_attn, layer.mlp
@@ -132,18 +123,17 @@ class DecodePlan:
         q_w, k_w = qn.kernel_weight(qkv), kn.kernel_weight(qkv)
         if not isinstance(qn, GemmaRMSNorm) or type(qn) is not type(kn) or qn.eps != kn.eps:
             raise Unsupported("q/k norms")
-        self.calls.append(partial(
-            self.lib.pl_qk_norm_rope, self._ptr(qkv), self.flag, 1, qkv.shape[1], hq, hk, d, self._ptr(q_w),
-            self._ptr(k_w), qn.eps, 1, self._ptr(rope.cos_cache), self._ptr(rope.sin_cache), self._ptr(self.positions),
-            rope.rotary_dim, self._ptr(q), self._ptr(k), self.nthreads))
+        norms = (self._dense(q_w), self._dense(k_w), qn.eps, True)
+        self.calls.append(cpu_kernels.bind_qk_norm_rope(
+            qkv, hq, hk, d, norms, self._dense(rope.cos_cache), self._dense(rope.sin_cache), self.positions, q, k,
+            self.nthreads))
         k_cache, v_cache = attn.kv_cache[0], attn.kv_cache[1]
         v = qkv[:, (hq + hk) * d :].view(1, hk, d)
         self.calls.append(partial(k_cache.view(-1, hk, d).index_copy_, 0, self.slot, k))
         self.calls.append(partial(v_cache.view(-1, hk, d).index_copy_, 0, self.slot, v))
-        self.calls.append(partial(
-            self.lib.pl_paged_decode_attention, self._ptr(q), 1, hq, hk, d, self._ptr(k_cache), self._ptr(v_cache),
-            self.block_size, self.flag, self._ptr(self.block_table), self.block_table.stride(0),
-            self._ptr(self.seq_len), attn.sliding_window or 0, attn.scale, self._ptr(o), self.nthreads))
+        self.calls.append(cpu_kernels.bind_paged_decode_attention(
+            q, self._dense(k_cache), self._dense(v_cache), self.block_table, self.seq_len, attn.sliding_window,
+            attn.scale, o, self.nthreads))
         self._linear(attn_mod.o_proj, o.view(1, hq * d), proj)
         self._rms(layer.post_attention_layernorm, proj, self.hidden, residual=True)
         self._rms(layer.pre_feedforward_layernorm, self.hidden, self.normed)
@@ -151,8 +141,7 @@ class DecodePlan:
         act_id = _ACT_IDS.get(type(mlp.act_fn))
         if act_id is None:
             raise Unsupported(f"activation {type(mlp.act_fn).__name__}")
-        self.calls.append(partial(self.lib.pl_act_and_mul, self._ptr(gate_up), self.flag, 1, inter, act_id,
-                                  self._ptr(act), self.nthreads))
+        self.calls.append(cpu_kernels.bind_act_and_mul(gate_up, act_id, act, self.nthreads))
         self._linear(mlp.down_proj, act, proj)
         self._rms(layer.post_feedforward_layernorm, proj, self.hidden, residual=True)
 
