@@ -10,6 +10,7 @@ source file's (absolute path, size, mtime).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -54,7 +55,9 @@ _CONVERSION_VERSION = 4
 
 def _cache_key(path: str) -> str:
     st = os.stat(path)  # FileNotFoundError for a missing file, on purpose
-    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
+    # transformers' major version too: the tokenizer files name a class only 5.x has
+    major = importlib.metadata.version("transformers").split(".")[0]
+    ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}|transformers{major}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

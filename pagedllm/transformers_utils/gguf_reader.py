@@ -12,30 +12,39 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+_lock = threading.Lock()
+_shared: dict[str, list[Any]] = {}  # real path -> readers, innermost `shared_gguf_reader` last
+_stock: Any = None  # gguf.GGUFReader while the dispatcher stands in for it
+_fast_class: type | None = None
+
 
 def _reader_class() -> type:
-    import gguf
+    global _fast_class
+    if _fast_class is None:
+        from gguf.gguf_reader import GGUFReader  # the class itself, never the dispatcher
 
-    class FastGGUFReader(gguf.GGUFReader):
-        """`GGUFReader` whose metadata reads slice an ndarray view, not the memmap itself."""
+        class FastGGUFReader(GGUFReader):
+            """`GGUFReader` whose metadata reads slice an ndarray view, not the memmap itself."""
 
-        def _get(self, offset: int, dtype: Any, count: int = 1,
-                 override_order: str | None = None) -> np.ndarray:
-            plain = self.__dict__.get("_plain")
-            if plain is None:  # first call comes from GGUFReader.__init__, right after self.data
-                plain = self._plain = self.data.view(np.ndarray)
-            count = int(count)
-            dt = np.dtype(dtype)
-            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
-            order = self.byte_order if override_order is None else override_order
-            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+            def _get(self, offset: int, dtype: Any, count: int = 1,
+                     override_order: str | None = None) -> np.ndarray:
+                plain = self.__dict__.get("_plain")
+                if plain is None:  # first call comes from GGUFReader.__init__, right after self.data
+                    plain = self._plain = self.data.view(np.ndarray)
+                count = int(count)
+                dt = np.dtype(dtype)
+                arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+                order = self.byte_order if override_order is None else override_order
+                return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
-    return FastGGUFReader
+        _fast_class = FastGGUFReader
+    return _fast_class
 
 
 def open_gguf_reader(path: str) -> Any:
@@ -46,25 +55,43 @@ def open_gguf_reader(path: str) -> Any:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
+def _dispatch(path: Any, *args: Any, **kwargs: Any) -> Any:
+    """What `gguf.GGUFReader(...)` calls while a reader is shared."""
+    if not args and not kwargs:
+        with _lock:
+            readers = _shared.get(os.path.realpath(os.fspath(path)))
+            if readers:
+                return readers[-1]
+    from gguf.gguf_reader import GGUFReader
+
+    return GGUFReader(path, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def shared_gguf_reader(reader: Any, *paths: str) -> Iterator[None]:
     """While active, `gguf.GGUFReader(p)` for any of `paths` (or a link to the same file) returns
-    `reader` instead of parsing again; other files parse as usual."""
+    `reader` instead of parsing again; other files parse as usual. Nests (the innermost reader
+    of a path wins) and is safe across threads."""
     import gguf
 
-    stock = gguf.GGUFReader
-    targets = {os.path.realpath(p) for p in paths}
-
-    def reuse(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and os.path.realpath(os.fspath(path)) in targets:
-            return reader
-        return stock(path, *args, **kwargs)
-
-    gguf.GGUFReader = reuse
+    global _stock
+    keys = [os.path.realpath(p) for p in paths]
+    with _lock:
+        if not _shared:
+            _stock, gguf.GGUFReader = gguf.GGUFReader, _dispatch
+        for key in keys:
+            _shared.setdefault(key, []).append(reader)
     try:
         yield
     finally:
-        gguf.GGUFReader = stock
+        with _lock:
+            for key in keys:
+                readers = _shared[key]
+                del readers[len(readers) - 1 - readers[::-1].index(reader)]
+                if not readers:
+                    del _shared[key]
+            if not _shared:
+                gguf.GGUFReader, _stock = _stock, None
 
 
 class _ConfigFields:

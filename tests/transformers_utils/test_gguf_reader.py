@@ -3,6 +3,7 @@ transformers' helpers during a conversion, and a config view without the per-tok
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import gguf
@@ -14,8 +15,8 @@ from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reade
 VOCAB = 3000  # above the config view's cut-off for an array
 
 
-def _write(path: Path, with_vocab_size: bool) -> None:
-    w = gguf.GGUFWriter(str(path), "llama")
+def _write(path: Path, with_vocab_size: bool, endianess=gguf.GGUFEndian.LITTLE) -> None:
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
     w.add_name("tiny")
     w.add_block_count(2)
     w.add_context_length(128)
@@ -33,9 +34,10 @@ def _write(path: Path, with_vocab_size: bool) -> None:
     w.close()
 
 
-def test_same_fields_and_tensors_as_gguf_reader(tmp_path):
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_same_fields_and_tensors_as_gguf_reader(tmp_path, endianess):
     path = tmp_path / "m.gguf"
-    _write(path, with_vocab_size=False)
+    _write(path, with_vocab_size=False, endianess=endianess)
     stock, fast = gguf.GGUFReader(str(path)), open_gguf_reader(str(path))
     assert list(stock.fields) == list(fast.fields)
     for key, field in stock.fields.items():
@@ -69,6 +71,40 @@ def test_shared_reader_serves_its_file_and_links_to_it(tmp_path):
         parsed = gguf.GGUFReader(str(other))
         assert parsed is not reader and "llama.vocab_size" in parsed.fields
     assert gguf.GGUFReader is stock
+
+
+def test_nested_and_concurrent_sharing_restore_gguf_reader(tmp_path):
+    paths = [tmp_path / f"m{i}.gguf" for i in range(2)]
+    for p in paths:
+        _write(p, with_vocab_size=False)
+    readers = [open_gguf_reader(str(p)) for p in paths]
+    inner = config_view(readers[0], "llama")
+    stock = gguf.GGUFReader
+    with shared_gguf_reader(readers[0], str(paths[0])):
+        with shared_gguf_reader(inner, str(paths[0])):
+            assert gguf.GGUFReader(str(paths[0])) is inner
+        assert gguf.GGUFReader(str(paths[0])) is readers[0]
+    assert gguf.GGUFReader is stock
+    # two threads, entered and left in different orders
+    entered, release = [threading.Event() for _ in paths], [threading.Event() for _ in paths]
+    seen = {}
+
+    def convert(i):
+        with shared_gguf_reader(readers[i], str(paths[i])):
+            entered[i].set()
+            release[i].wait(10)
+            seen[i] = gguf.GGUFReader(str(paths[i])) is readers[i]
+
+    threads = [threading.Thread(target=convert, args=(i,)) for i in range(2)]
+    for t, e in zip(threads, entered):
+        t.start()
+        e.wait(10)
+    release[0].set()  # the first in leaves first
+    threads[0].join(10)
+    assert gguf.GGUFReader is not stock  # the other is still sharing
+    release[1].set()
+    threads[1].join(10)
+    assert seen == {0: True, 1: True} and gguf.GGUFReader is stock
 
 
 @pytest.mark.parametrize("with_vocab_size", [True, False])

@@ -176,9 +176,14 @@ def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     print(f"Starting {shlex.join(cmd)} (log: {log.name})", file=sys.stderr, flush=True)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=None if env is None else os.environ | env)
     url = f"http://127.0.0.1:{port}"
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=None if env is None else os.environ | env)
+    except BaseException:
+        log.close()
+        os.unlink(log.name)
+        raise
     try:
         _wait_healthy(name, proc, url, log.name, timeout)
         yield LaunchedServer(url, time.monotonic() - start)

@@ -80,16 +80,19 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PREP_WORKERS, functools.partial(fn, *args, **kwargs))
 
 
-_MAX_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_MAX_CHARS: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # (len, longest)
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
     """The longest vocabulary entry, in characters: no token covers more text than that, so a
     text longer than `limit * this` holds more than `limit` tokens (a cheap pre-tokenization
     guard). Byte-level entries spell a multi-byte character with several characters, which
-    keeps the bound safe. Measured once per tokenizer: every serving class asks."""
+    keeps the bound safe. Measured once per tokenizer and vocabulary size: every serving class
+    asks."""
     with contextlib.suppress(KeyError, TypeError):
-        return _MAX_CHARS[tokenizer]
+        size, longest = _MAX_CHARS[tokenizer]
+        if size == len(tokenizer):
+            return longest
     try:
         tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         longest = max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
@@ -97,7 +100,7 @@ def max_chars_per_token(tokenizer: Any) -> int:
         logger.debug("could not measure the vocabulary's longest token", exc_info=True)
         return 64
     with contextlib.suppress(TypeError):  # not weakly referable: measured again next time
-        _MAX_CHARS[tokenizer] = longest
+        _MAX_CHARS[tokenizer] = (len(tokenizer), longest)
     return longest
 
 

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -94,49 +95,78 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _ensure_built(isa: str) -> Path:
-    """The path of `isa`'s library in the cache, compiling it first where it is missing. One
-    build at a time per cache directory (a file lock), so the engine's background build, its
-    workers and concurrent processes never compile the same library twice."""
+@dataclass(frozen=True, slots=True)
+class _BuildPlan:
+    """One level's compile command and its cache path, read from the environment once."""
+
+    cmd: tuple[str, ...]
+    sources: tuple[Path, ...]
+    target: Path
+
+
+def _build_plan(isa: str) -> _BuildPlan:
     cc = os.environ.get("CC", "gcc")
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
     flags = _FLAGS + isa_flags(isa) + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = sorted(_SOURCE_DIR.glob("*.c"))
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id(), isa]).encode())
     target = _cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
+    return _BuildPlan((cc, *flags), tuple(sorted(_SOURCE_DIR.glob("*.c"))), target)
+
+
+def _ensure_built(plan: _BuildPlan) -> Path:
+    """`plan.target`, compiled first where it is missing. One build at a time per cache
+    directory (a file lock), so the engine's background build, its workers and concurrent
+    processes never compile the same library twice."""
+    target = plan.target
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    try:  # read-only is enough for flock, and lets other users of a shared cache take it too
+        lock = os.open(target.parent / ".build.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:  # cannot create it here: build unlocked (the rename below stays atomic)
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():  # nobody built it while this waited
             start = time.perf_counter()
-            _compile([cc, *flags], sources, target)
+            _compile(list(plan.cmd), list(plan.sources), target)
             logger.info("C kernels compiled in %.1f s (first start only: cached in %s)", time.perf_counter() - start,
                         target)
+    finally:
+        if lock is not None:
+            os.close(lock)  # releases the lock
     return target
 
 
 def build_in_background() -> None:
     """Start compiling the selected level's library on a daemon thread: gcc runs on another core
-    while a first start converts the model, and `kernels()` then finds the library built."""
+    while a first start converts the model, and `kernels()` then finds the library built. The
+    command and cache path are read here, in the caller's environment."""
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0" or _lib is not _UNSET:
+        return
+    try:
+        plan = _build_plan(cpu_isa.selected())
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return  # kernels() tries again and says why
+    if plan.target.exists():
         return
 
     def build() -> None:
         try:
-            _ensure_built(cpu_isa.selected())
-        except (OSError, subprocess.CalledProcessError):
-            pass  # kernels() tries again and says why
+            _ensure_built(plan)
+        except Exception:  # kernels() tries again and says why
+            logger.debug("background kernel build failed", exc_info=True)
 
     threading.Thread(target=build, name="pagedllm-kernel-build", daemon=True).start()
 
 
 def _build(isa: str) -> ctypes.CDLL:
+    plan = _build_plan(isa)
     for attempt in range(2):
-        target = _ensure_built(isa)
+        target = _ensure_built(plan)
         try:
             lib = ctypes.CDLL(str(target))
             break
@@ -234,54 +264,71 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 Call = Callable[[], None]
 
 
-def _bound(kernel: Callable[..., None], *args: object) -> Call:
-    """kernel(*args) as a call to run now or replay: tensors become their data pointers (None
-    stays NULL), and the call keeps those tensors alive. Each op below has a `bind_*` that the
-    decode plan replays and that its eager wrapper runs once."""
-    call = partial(kernel, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-    call.keep = tuple(a for a in args if isinstance(a, torch.Tensor))  # type: ignore[attr-defined]
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _bound(kernel: Callable[..., None], args: tuple, now: bool, *keep: torch.Tensor | None) -> Call | None:
+    """Each op below has one `bind_*` that lays out its kernel's arguments (`args`, tensors as
+    data pointers). The decode plan replays the bound call, which keeps the tensors it points
+    into (`keep`) alive; an eager wrapper passes `now` and the kernel runs at once, with no call
+    object built."""
+    if now:
+        kernel(*args)
+        return None
+    call = partial(kernel, *args)
+    call.keep = keep  # type: ignore[attr-defined]
     return call
 
 
 def bind_w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                      y: torch.Tensor, nthreads: int) -> Call:
+                      y: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
     """y [M, N] = x [M, K] @ (qweight [N, K] int8 * scales [N] bf16)^T (+ bias), all contiguous,
     bias and y in x's dtype."""
     n, k = qweight.shape
     flag = _is_bf16(x)
-    return _bound(kernels().pl_w8a16_linear, x, flag, x.shape[0], k, qweight, scales, bias, n, y, flag, nthreads)
+    args = (x.data_ptr(), flag, x.shape[0], k, qweight.data_ptr(), scales.data_ptr(), _ptr(bias), n, y.data_ptr(),
+            flag, nthreads)
+    return _bound(kernels().pl_w8a16_linear, args, now, x, qweight, scales, bias, y)
 
 
 def bind_w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                      bias: torch.Tensor | None, y: torch.Tensor, nthreads: int) -> Call:
+                      bias: torch.Tensor | None, y: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
     """`bind_w8a16_linear` for an int4 weight in `pack_int4`'s layout."""
     n, k = packed.shape[0], packed.shape[1] * 2
     flag = _is_bf16(x)
-    return _bound(kernels().pl_w4a16_linear, x, flag, x.shape[0], k, packed, scales_zeros, group_size, bias, n, y,
-                  flag, nthreads)
+    args = (x.data_ptr(), flag, x.shape[0], k, packed.data_ptr(), scales_zeros.data_ptr(), group_size, _ptr(bias),
+            n, y.data_ptr(), flag, nthreads)
+    return _bound(kernels().pl_w4a16_linear, args, now, x, packed, scales_zeros, bias, y)
 
 
 def w8a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [.., K] @ (qweight [N, K] int8 * scales [N] bf16)^T: activations as int16 per row."""
-    return _weight_only(partial(bind_w8a16_linear, qweight=qweight, scales=scales), x, *qweight.shape, bias)
+    n, k = qweight.shape
+    x2, y = _gemv_io(x, n, k)
+    bind_w8a16_linear(x2, qweight, scales, _as(bias, x.dtype), y, torch.get_num_threads(), now=True)
+    return _shaped_like(x, y)
 
 
 def w4a16_linear(
     x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [.., K] @ int4 weight (`pack_int4`'s layout and scales)."""
-    bind = partial(bind_w4a16_linear, packed=packed, scales_zeros=scales_zeros, group_size=group_size)
-    return _weight_only(bind, x, packed.shape[0], packed.shape[1] * 2, bias)
+    x2, y = _gemv_io(x, packed.shape[0], packed.shape[1] * 2)
+    bind_w4a16_linear(x2, packed, scales_zeros, group_size, _as(bias, x.dtype), y, torch.get_num_threads(), now=True)
+    return _shaped_like(x, y)
 
 
-def _weight_only(bind: Callable[..., Call], x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Either GEMV on x [.., K]: y in x's dtype, shaped like x with N last."""
+def _gemv_io(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Either GEMV's operands for x [.., K]: its rows [M, K] and y [M, N] in x's dtype."""
     x2 = _rows(x, k)
-    y = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    bind(x=x2, bias=_as(bias, x.dtype), y=y, nthreads=torch.get_num_threads())()
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return x2, torch.empty((x2.shape[0], n), dtype=x.dtype)
+
+
+def _shaped_like(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1])
 
 
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,19 +361,21 @@ def paged_decode_attention(
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     bind_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale, out,
-                                torch.get_num_threads())()
+                                torch.get_num_threads(), now=True)
     return out
 
 
 def bind_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
-                                out: torch.Tensor, nthreads: int) -> Call:
+                                out: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
     """`paged_decode_attention` into `out`; q and the caches contiguous, block_tables and seq_lens
     int64 with unit inner stride."""
     num_seqs, hq, d = q.shape
     hk, block_size = k_cache.shape[2], k_cache.shape[1]
-    return _bound(kernels().pl_paged_decode_attention, q, num_seqs, hq, hk, d, k_cache, v_cache, block_size,
-                  _is_bf16(q), block_tables, block_tables.stride(0), seq_lens, window or 0, scale, out, nthreads)
+    args = (q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), window or 0, scale, out.data_ptr(),
+            nthreads)
+    return _bound(kernels().pl_paged_decode_attention, args, now, q, k_cache, v_cache, block_tables, seq_lens, out)
 
 
 def rms_norm(
@@ -342,12 +391,12 @@ def rms_norm(
     out = torch.empty(x.shape, dtype=x.dtype)
     if residual is not None:
         residual = residual.to(x.dtype).contiguous()
-    bind_rms_norm(x, weight, eps, gemma, residual, out, torch.get_num_threads())()
+    bind_rms_norm(x, weight, eps, gemma, residual, out, torch.get_num_threads(), now=True)
     return out.view(shape)
 
 
 def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, residual: torch.Tensor | None,
-                  out: torch.Tensor, nthreads: int) -> Call:
+                  out: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
     """`rms_norm` into a contiguous `out` of x's shape; x 2-D or 3-D with a unit last stride
     (its other strides are passed), `residual` contiguous (it may be `out`: each vector is read
     before it is written)."""
@@ -356,8 +405,9 @@ def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
         inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
     else:
         inner, stride_outer, stride_inner = 1, x.stride(0), 0
-    return _bound(kernels().pl_rms_norm, x, out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x),
-                  weight, eps, gemma, residual, out, nthreads)
+    args = (x.data_ptr(), out.numel() // cols, cols, inner, stride_outer, stride_inner, _is_bf16(x),
+            weight.data_ptr(), eps, gemma, _ptr(residual), out.data_ptr(), nthreads)
+    return _bound(kernels().pl_rms_norm, args, now, x, weight, residual, out)
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -389,13 +439,14 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x, 2 * d)
     out = torch.empty((x2.shape[0], d), dtype=x.dtype)
-    bind_act_and_mul(x2, ACTIVATIONS[act], out, torch.get_num_threads())()
+    bind_act_and_mul(x2, ACTIVATIONS[act], out, torch.get_num_threads(), now=True)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
 
 
-def bind_act_and_mul(x: torch.Tensor, act_id: int, out: torch.Tensor, nthreads: int) -> Call:
+def bind_act_and_mul(x: torch.Tensor, act_id: int, out: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
     """`act_and_mul` of a contiguous x [rows, 2 d] into out [rows, d]; `act_id` from `ACTIVATIONS`."""
-    return _bound(kernels().pl_act_and_mul, x, _is_bf16(x), x.shape[0], out.shape[1], act_id, out, nthreads)
+    args = (x.data_ptr(), _is_bf16(x), x.shape[0], out.shape[1], act_id, out.data_ptr(), nthreads)
+    return _bound(kernels().pl_act_and_mul, args, now, x, out)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -425,15 +476,17 @@ def qk_norm_rope(
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
     bind_qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, norms, cos_cache, sin_cache, positions, q, k,
-                      torch.get_num_threads())()
+                      torch.get_num_threads(), now=True)
     return q, k
 
 
 def bind_qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                       norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None, cos_cache: torch.Tensor,
                       sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      nthreads: int) -> Call:
+                      nthreads: int, now: bool = False) -> Call | None:
     """`qk_norm_rope` into contiguous q [T, Hq, D] and k [T, Hk, D]; qkv rows may be strided."""
     q_w, k_w, eps, gemma = norms if norms is not None else (None, None, 0.0, False)
-    return _bound(kernels().pl_qk_norm_rope, qkv, _is_bf16(qkv), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads,
-                  head_dim, q_w, k_w, eps, gemma, cos_cache, sin_cache, positions, cos_cache.shape[1], q, k, nthreads)
+    args = (qkv.data_ptr(), _is_bf16(qkv), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim, _ptr(q_w),
+            _ptr(k_w), eps, gemma, cos_cache.data_ptr(), sin_cache.data_ptr(), positions.data_ptr(),
+            cos_cache.shape[1], q.data_ptr(), k.data_ptr(), nthreads)
+    return _bound(kernels().pl_qk_norm_rope, args, now, qkv, q_w, k_w, cos_cache, sin_cache, positions, q, k)

@@ -81,18 +81,19 @@ def _remove_stale(directory: Path) -> None:
         try:
             if entry.stat().st_mtime < now - age:
                 entry.unlink()  # a process that has it open keeps reading it
-        except FileNotFoundError:  # another process removed it first
-            pass
+        except OSError:  # removed by another process first, or not ours to remove
+            continue
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["modules"])
-    tensors = load_file(str(path))
     try:
-        os.utime(path)  # read now: not stale
+        os.utime(path)  # in use: no other process's prune takes it while it is read
+    except FileNotFoundError:
+        raise
     except OSError:  # a read-only shared cache: it ages, and its owner's writes prune it
         pass
-    return tensors, meta
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["modules"])
+    return load_file(str(path)), meta
