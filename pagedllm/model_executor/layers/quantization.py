@@ -187,11 +187,11 @@ class DynamicInt8Quant(nn.Module):
         qweight, scale = quantized
         self.out_features, self.in_features = qweight.shape
         self.qmax = self.weight_qmax()
-        self._int8 = quantized  # kept until `int8_weight` hands it over (e.g. to a cache)
         self.nbytes = qweight.numel() + 4 * scale.numel()
         # One path at every row count, so a row's logits never depend on its batch.
         self.runs_kernel = dynamic_runs_kernel()
-        self._plain = quantized if self.runs_kernel else None
+        # The kernel runs on it; oneDNN's packed copy replaces it once `int8_weight` hands it over.
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = quantized
         self.packed = None if self.runs_kernel else torch.ops.onednn.qlinear_prepack(
             qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())
@@ -208,8 +208,11 @@ class DynamicInt8Quant(nn.Module):
         return 127 if cpu_isa.has_vnni() or dynamic_runs_kernel() else 64
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 weight and bf16 scales before packing; given once, then dropped."""
-        quantized, self._int8 = self._int8, None
+        """The int8 weight and bf16 scales before packing (e.g. for a cache); on oneDNN's path
+        given once, then dropped."""
+        quantized = self._int8
+        if not self.runs_kernel:
+            self._int8 = None
         if quantized is None:
             raise RuntimeError("the int8 weight was already handed over")
         return quantized
@@ -217,7 +220,7 @@ class DynamicInt8Quant(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_kernel:
             xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-            return cpu_kernels.w8a16_linear(xk, *self._plain, None).to(x.dtype)
+            return cpu_kernels.w8a16_linear(xk, *self._int8, None).to(x.dtype)
         xf = x.float()
         # Each row's scale is rounded to bf16 before use, so multiplying the output by it
         # undoes exactly the scale the row was quantized with.
