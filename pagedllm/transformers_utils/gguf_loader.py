@@ -37,7 +37,7 @@ from pagedllm.transformers_utils.gguf_archs import (
 from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reader, shared_gguf_reader
 
 logger = logging.getLogger(__name__)
-__all__ = ["SUPPORTED_GGUF_ARCHS", "convert_gguf", "gguf_is_quantized"]
+__all__ = ["SUPPORTED_GGUF_ARCHS", "conversion_cached", "convert_gguf", "gguf_is_quantized"]
 
 _DONE = "done"
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -49,8 +49,8 @@ def _cache_root(cache_dir: str | None) -> Path:
 
 # Bumped when the conversion's output changes, so older cache entries are redone once.
 # 2: gguf_source.json lists the GGUF's tensor types; 3: names from gguf's TensorNameMap, config completions;
-# 4: tokenizer_config.json names the generic TokenizersBackend
-_CONVERSION_VERSION = 4
+# 4: tokenizer_config.json names the generic TokenizersBackend; 5: it lists the added tokens
+_CONVERSION_VERSION = 5
 
 
 def _cache_key(path: str) -> str:
@@ -59,6 +59,12 @@ def _cache_key(path: str) -> str:
     major = importlib.metadata.version("transformers").split(".")[0]
     ident = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}|transformers{major}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def conversion_cached(gguf_path: str, cache_dir: str | None = None) -> bool:
+    """Whether `convert_gguf` would only reuse a finished conversion of this file."""
+    src = os.path.abspath(os.fspath(gguf_path))
+    return os.path.isfile(src) and (_cache_root(cache_dir) / _cache_key(src) / _DONE).is_file()
 
 
 def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
@@ -166,7 +172,7 @@ def _convert_into(src: str, out: Path) -> None:
             config.save_pretrained(out)
             tokenizer = _build_tokenizer(out, link.name, config.model_type)
             tokenizer.save_pretrained(out)
-        _name_generic_tokenizer_class(out)
+        _name_generic_tokenizer_class(out, tokenizer)
     finally:
         link.unlink()
     _build_generation_config(config, tokenizer).save_pretrained(out)
@@ -225,19 +231,26 @@ def _build_tokenizer(dirname: Path, filename: str, model_type: str) -> Any:
     return cls.from_pretrained(str(dirname), gguf_file=filename)
 
 
-def _name_generic_tokenizer_class(out: Path) -> None:
-    """Name transformers 5's generic TokenizersBackend in tokenizer_config.json. tokenizer.json
-    already holds the whole tokenizer (normalizer, BOS post-processor, specials); a
-    model-specific class (GemmaTokenizer, ...) rebuilds it on every start from a Python parse
-    of that file, ~2 s more for a 262k vocabulary."""
+def _name_generic_tokenizer_class(out: Path, tokenizer: Any) -> None:
+    """Name transformers 5's generic TokenizersBackend in tokenizer_config.json, with the
+    added tokens listed there (`added_tokens_decoder`, as transformers 4 saved them).
+    tokenizer.json already holds the whole tokenizer (normalizer, BOS post-processor,
+    specials), but a model-specific class (GemmaTokenizer, ...) rebuilds it on every start
+    from a Python parse of that file, and any class parses the whole file once more (~2 s for
+    a 262k vocabulary) when the config does not list the added tokens."""
     try:
         from transformers import TokenizersBackend  # noqa: F401
     except ImportError:  # transformers 4.x: its fast classes load tokenizer.json directly
         return
     path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "TokenizersBackend"
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    config.setdefault("added_tokens_decoder", {
+        str(i): {"content": t.content, "single_word": t.single_word, "lstrip": t.lstrip, "rstrip": t.rstrip,
+                 "normalized": t.normalized, "special": t.special}
+        for i, t in sorted(tokenizer.added_tokens_decoder.items())
+    })
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _build_generation_config(config: Any, tokenizer: Any) -> Any:

@@ -14,7 +14,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pagedllm.config import GGUF_CPU_QUANTIZATION, resolve_quantization  # noqa: E402
-from pagedllm.transformers_utils.gguf_loader import convert_gguf, gguf_is_quantized  # noqa: E402
+from pagedllm.transformers_utils.gguf_loader import (  # noqa: E402
+    conversion_cached,
+    convert_gguf,
+    gguf_is_quantized,
+)
 from tests.utils import all_slow  # noqa: E402
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
@@ -118,6 +122,7 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     src = tmp_path / "src" / f"tiny-{arch}.gguf"
@@ -125,7 +130,9 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     expected = _write_tiny_gguf(src, arch)
     cache = tmp_path / "cache"
 
+    assert not conversion_cached(str(src), cache_dir=str(cache))
     out = convert_gguf(str(src), cache_dir=str(cache))
+    assert conversion_cached(str(src), cache_dir=str(cache))
     assert Path(out).parent == cache / "gguf"
     assert [p.name for p in (cache / "gguf").iterdir()] == [Path(out).name]  # no temp left over
 
@@ -162,8 +169,15 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
         assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
     # The tokenizer matches what transformers builds from the GGUF, and honours add_bos_token.
-    tok = AutoTokenizer.from_pretrained(out)
+    # With transformers 5 it loads as the generic class, straight from tokenizer.json: Python
+    # never parses that file (the added tokens are listed in tokenizer_config.json).
+    parsed = _json_files_parsed_while(lambda: AutoTokenizer.from_pretrained(out))
+    tok = parsed.result
     ref = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    assert tok.added_tokens_decoder == ref.added_tokens_decoder
+    if hasattr(transformers, "TokenizersBackend"):
+        assert type(tok).__name__ == "TokenizersBackend"
+        assert "tokenizer.json" not in parsed.names and "tokenizer_config.json" in parsed.names
     for text in ["the theme", " the cat", "héllo <|eos|>"]:
         assert tok(text).input_ids == ref(text).input_ids
     assert tok("the").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>")
@@ -184,6 +198,27 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     newer = convert_gguf(str(src), cache_dir=str(cache))
     assert newer != out
     assert not Path(out).exists() and [p.name for p in (cache / "gguf").iterdir()] == [Path(newer).name]
+
+
+class _Parsed:
+    names: list[str]
+    result: object
+
+
+def _json_files_parsed_while(fn) -> _Parsed:
+    """Run `fn`, noting the base names of the files it parses with `json.load`."""
+    parsed = _Parsed()
+    parsed.names = []
+    real_load = json.load
+
+    def load(f, *args, **kwargs):
+        parsed.names.append(os.path.basename(getattr(f, "name", "")))
+        return real_load(f, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(json, "load", load)
+        parsed.result = fn()
+    return parsed
 
 
 def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
