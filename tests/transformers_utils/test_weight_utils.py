@@ -40,3 +40,38 @@ def test_slices_read_only_their_bytes(tmp_path):
         # every column (a row-parallel weight at one rank): one read, not one per row
         counting.reads.clear()
         assert torch.equal(lazy.narrow(1, 0, 8), w) and counting.reads == [6 * 8 * 4]
+
+
+def test_copy_to_reads_straight_into_the_target(tmp_path):
+    """A slice that is one stretch of the file lands in a contiguous target of its dtype with one
+    read into the target's own memory; anything else (columns of several rows, another dtype, a
+    strided target) takes the copying path, with the same values."""
+    w = torch.randn(6, 8)
+    save_file({"w": w, "one": w[:1].clone()}, str(tmp_path / "model.safetensors"))
+    for name, lazy in iterate_checkpoint(str(tmp_path)):
+        lazy._raw = counting = _CountingFile(lazy._raw)
+        if name == "one":  # a [1, 8] tensor: a column slice is one stretch too
+            target = torch.empty(1, 3)
+            lazy.copy_to(target, 1, 5)
+            assert torch.equal(target, w[:1, 5:]) and counting.reads == [3 * 4]
+            continue
+        target = torch.full((3, 8), float("nan"))
+        lazy.copy_to(target, 0, 2)
+        assert torch.equal(target, w[2:5]) and counting.reads == [3 * 8 * 4]
+
+        counting.reads.clear()
+        whole = torch.empty(6, 8)
+        lazy.copy_to(whole, 1, 0)  # every column: the whole tensor, one read
+        assert torch.equal(whole, w) and counting.reads == [6 * 8 * 4]
+
+        cols = torch.empty(6, 3)
+        lazy.copy_to(cols, 1, 4)  # columns of several rows: one read per row, then a copy
+        assert torch.equal(cols, w[:, 4:7])
+
+        half = torch.empty(2, 8, dtype=torch.bfloat16)
+        lazy.copy_to(half, 0, 1)
+        assert torch.equal(half, w[1:3].bfloat16())
+
+        strided = torch.empty(8, 4).t()  # [4, 8], not contiguous
+        lazy.copy_to(strided, 0, 2)
+        assert torch.equal(strided, w[2:6])

@@ -36,7 +36,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | Checkpoint
     """The whole checkpoint tensor (a torch tensor, or a CheckpointTensor not read yet)."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded.load() if isinstance(loaded, CheckpointTensor) else loaded)
+    if isinstance(loaded, CheckpointTensor):
+        loaded.copy_to(param.data)
+    else:
+        param.data.copy_(loaded)
 
 
 def load_slice(target: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int, what: str) -> None:
@@ -47,7 +50,10 @@ def load_slice(target: torch.Tensor, loaded: torch.Tensor, dim: int, start: int,
     expected[dim] = full
     if list(loaded.shape) != expected:
         raise ValueError(f"{what}: expected a checkpoint tensor of shape {tuple(expected)}, got {tuple(loaded.shape)}")
-    target.copy_(loaded.narrow(dim, start, target.shape[dim]))
+    if isinstance(loaded, CheckpointTensor):
+        loaded.copy_to(target, dim, start)
+    else:
+        target.copy_(loaded.narrow(dim, start, target.shape[dim]))
 
 
 def divide(total: int, tp: int, what: str) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.distributed import get_tp_group
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.quantization import QuantizedLMHead
+from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
 
 class _VocabShard:
@@ -35,7 +36,10 @@ class _VocabShard:
         if tuple(loaded.shape) != expected:
             raise ValueError(f"shape mismatch: vocabulary table {expected} vs checkpoint {tuple(loaded.shape)}")
         valid = max(0, self.vocab_end - self.vocab_start)
-        param.data[:valid].copy_(loaded[self.vocab_start : self.vocab_start + valid])
+        if isinstance(loaded, CheckpointTensor):
+            loaded.copy_to(param.data[:valid], 0, self.vocab_start)
+        else:
+            param.data[:valid].copy_(loaded[self.vocab_start : self.vocab_start + valid])
         param.data[valid:].zero_()
 
 
