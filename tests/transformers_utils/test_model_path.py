@@ -1,6 +1,8 @@
 """Hub ids resolve through huggingface_hub's cache (a temporary one here, in the Hub's own layout:
 models--org--name/snapshots/<commit>/ with refs/main), offline; a missing model is one clear
-error naming where it looked; --revision, --tokenizer, --hf-config-path and --load-format."""
+error naming where it looked; --revision, --tokenizer, --hf-config-path and --load-format; and
+which models resolve from what is already on disk (a front and an engine core may then resolve
+one at the same time)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.transformers_utils.model_path import resolve_model_path, resolves_on_disk
 from tests.utils import hf_greedy
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -102,3 +105,20 @@ def test_load_format_pt_and_dummy(tmp_path, tiny_llama):
         EngineArgs(tiny_llama, load_format="tensorflow").create_engine_config()
     with pytest.raises(Exception, match="no \\*.safetensors"):
         LLM(pt_dir, load_format="safetensors", kv_cache_memory=1 << 24)
+
+
+def test_what_resolves_on_disk(hub, tmp_path, tiny_llama, monkeypatch):
+    from tests.model_executor.loader.test_gguf_loader import _write_tiny_gguf
+
+    assert resolves_on_disk(tiny_llama)
+    assert EngineArgs(model=tiny_llama).resolves_on_disk()
+    assert not EngineArgs(model=tiny_llama, tokenizer="org/tiny").resolves_on_disk()  # a Hub id
+    assert not EngineArgs(model=tiny_llama, speculative_config={"method": "ngram"}).resolves_on_disk()
+    assert not resolves_on_disk("org/tiny")  # a Hub id, even one in the cache
+    assert not resolves_on_disk(str(tmp_path))  # a directory without config.json
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, "llama")
+    assert not resolves_on_disk(str(src))  # not converted yet
+    resolve_model_path(str(src))
+    assert resolves_on_disk(str(src))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedllm.engine.core_launch import discard_prestarted_core, prestart_core
 from pagedllm.version import __version__
 
 
@@ -31,12 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+        # The engine-core process imports torch and transformers beside this one, which is
+        # about to do the same; it waits for its arguments (engine/core_launch.py).
+        prestart_core()
     try:
-        return int(args.func(args) or 0)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            return int(args.func(args) or 0)
+        except ValueError as e:  # bad input: one clear line, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    finally:
+        discard_prestarted_core()  # when the command did not take it (a bad flag, a failed start)
 
 
 if __name__ == "__main__":
