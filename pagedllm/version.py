@@ -1,4 +1,4 @@
 """The package version, on the ground floor so the CLI and the server can read it without importing
-the whole package (`pagedllm/__init__.py` re-exports everything, the server included)."""
+torch (`pagedllm/__init__.py` loads its public names on first use)."""
 
 __version__ = "0.1.0"

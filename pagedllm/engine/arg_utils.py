@@ -106,9 +106,10 @@ class EngineArgs:
 
     def resolves_on_disk(self) -> bool:
         """Whether create_engine_config only reads files already there (no GGUF conversion, no
-        download, no draft model), so two processes may build the same config at once."""
+        download, no speculative decoding config, no remote code to copy into transformers'
+        module cache), so two processes may build the same config at once."""
         model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model
-        return (self.speculative_config is None and resolves_on_disk(model)
+        return (self.speculative_config is None and not self.trust_remote_code and resolves_on_disk(model)
                 and not any(p is not None and is_hub_id(p) for p in (self.hf_config_path, self.tokenizer)))
 
     def create_engine_config(self) -> EngineConfig:

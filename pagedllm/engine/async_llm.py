@@ -58,6 +58,9 @@ class AsyncLLM:
                     core = None
                     self.clients = [client]
                 else:
+                    if core is not None:  # each data-parallel core is started with its own rank
+                        core.close()
+                        core = None
                     self.clients = self._start_engines(engine_args, num_engines)
         finally:
             if core is not None:  # not handed to a client (data parallel, or a failed start)

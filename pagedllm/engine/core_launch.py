@@ -54,8 +54,12 @@ class CoreProcess:
         )
 
     def send_args(self, payload: bytes) -> None:
-        self.proc.stdin.write(payload)
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(payload)
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died while it waited (a prestarted core, while a GGUF converted)
+            raise RuntimeError("engine core process exited during start-up "
+                               f"(exit code {self.proc.wait()})") from None
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -8,20 +8,29 @@ and blocks on the input socket while there is none. The tags and messages are in
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 import signal
-import time
-import traceback
-from typing import Any
 
-import msgspec
-import zmq
+if __name__ == "__main__":  # before the imports below (torch): Ctrl-C goes to the front, which stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.logger import init_logging
-from pagedllm.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType
+import logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any  # noqa: E402
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402
+from pagedllm.logger import init_logging  # noqa: E402
+from pagedllm.protocol import (  # noqa: E402
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
 
 logger = logging.getLogger("pagedllm.engine.core_proc")  # also when run as __main__
 
@@ -49,7 +58,7 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
     encoder = msgspec.msgpack.Encoder()
     start = time.perf_counter()
     try:
-        # The front resolved the same arguments a moment ago and logged the model cache it used.
+        # The front resolves the same arguments too (before or beside this) and logs the model cache.
         gguf_logger = logging.getLogger("pagedllm.transformers_utils.gguf_loader")
         level = gguf_logger.level
         gguf_logger.setLevel(max(gguf_logger.getEffectiveLevel(), logging.WARNING))
@@ -152,7 +161,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front, which shuts us down
     _preload()
     payload = sys.stdin.buffer.read()
-    if not payload:  # the front closed without sending arguments: a prestarted core nobody took
+    if not payload:  # the front went away without sending arguments (a prestarted core nobody took)
+        _remove_ipc_dir(sys.argv[1])  # a front killed before it could clean up leaves it to us
         return
     engine_args = msgspec.json.decode(payload, type=EngineArgs)
     run_engine_core(engine_args, sys.argv[1], sys.argv[2])

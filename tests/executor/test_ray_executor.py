@@ -45,15 +45,20 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
     expected = _tokens(_llm(tiny_llama))
     llm = _llm(tiny_llama, distributed_executor_backend="ray")
     executor = llm.llm_engine.engine_core.model_executor
-    assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.workers) == 1
-    assert _tokens(llm) == expected
-    with pytest.raises(TimeoutError, match="did not answer within"):
-        executor.collective_rpc("check_health", timeout=1e-6)
-    (actor,) = executor.workers
-    ray.kill(actor)
-    with pytest.raises(WorkerDiedError, match="died during"):
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    executor.shutdown()
+    try:  # a failure here must not leave the placement group holding the cluster's CPUs
+        assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.workers) == 1
+        assert _tokens(llm) == expected
+        (actor,) = executor.workers
+        # An actor runs one call at a time: a health check queued behind a 3 s call cannot answer in 0.5 s.
+        busy = actor.__ray_call__.remote(lambda _self: time.sleep(3))
+        with pytest.raises(TimeoutError, match="did not answer within"):
+            executor.collective_rpc("check_health", timeout=0.5)
+        ray.get(busy)
+        ray.kill(actor)
+        with pytest.raises(WorkerDiedError, match="died during"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        executor.shutdown()
     assert executor.workers == [] and executor.placement_group is None
     for _ in range(50):  # the bundles come back
         if ray.available_resources().get("CPU") == 2:

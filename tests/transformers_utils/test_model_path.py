@@ -114,6 +114,8 @@ def test_what_resolves_on_disk(hub, tmp_path, tiny_llama, monkeypatch):
     assert EngineArgs(model=tiny_llama).resolves_on_disk()
     assert not EngineArgs(model=tiny_llama, tokenizer="org/tiny").resolves_on_disk()  # a Hub id
     assert not EngineArgs(model=tiny_llama, speculative_config={"method": "ngram"}).resolves_on_disk()
+    assert not EngineArgs(model=tiny_llama, trust_remote_code=True).resolves_on_disk()
+    assert not EngineArgs(model=None, runner="pooling").resolves_on_disk()  # the packaged model, extracted once
     assert not resolves_on_disk("org/tiny")  # a Hub id, even one in the cache
     assert not resolves_on_disk(str(tmp_path))  # a directory without config.json
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -11,7 +13,7 @@ from pagedllm.transformers_utils.weight_utils import iterate_checkpoint, iterate
 
 class _CountingFile:
     def __init__(self, raw) -> None:
-        self.raw, self.bytes_read, self.reads = raw, 0, []
+        self.raw, self.bytes_read, self.reads, self.addresses = raw, 0, [], []
 
     def seek(self, offset: int) -> None:
         self.raw.seek(offset)
@@ -20,6 +22,7 @@ class _CountingFile:
         n = self.raw.readinto(buf)
         self.bytes_read += n
         self.reads.append(n)
+        self.addresses.append(np.frombuffer(buf, np.uint8).ctypes.data)
         return n
 
 
@@ -47,22 +50,29 @@ def test_copy_to_reads_straight_into_the_target(tmp_path):
     read into the target's own memory; anything else (columns of several rows, another dtype, a
     strided target) takes the copying path, with the same values."""
     w = torch.randn(6, 8)
-    save_file({"w": w, "one": w[:1].clone()}, str(tmp_path / "model.safetensors"))
+    save_file({"w": w, "one": w[:1].clone(), "s": torch.tensor(2.5)}, str(tmp_path / "model.safetensors"))
     for name, lazy in iterate_checkpoint(str(tmp_path)):
         lazy._raw = counting = _CountingFile(lazy._raw)
+        if name == "s":  # a scalar
+            target = torch.zeros(())
+            lazy.copy_to(target)
+            assert target.item() == 2.5
+            continue
         if name == "one":  # a [1, 8] tensor: a column slice is one stretch too
             target = torch.empty(1, 3)
             lazy.copy_to(target, 1, 5)
-            assert torch.equal(target, w[:1, 5:]) and counting.reads == [3 * 4]
+            assert torch.equal(target, w[:1, 5:]) and counting.addresses == [target.data_ptr()]
             continue
-        target = torch.full((3, 8), float("nan"))
-        lazy.copy_to(target, 0, 2)
-        assert torch.equal(target, w[2:5]) and counting.reads == [3 * 8 * 4]
+        param = torch.nn.Parameter(torch.full((3, 8), float("nan")))  # as a custom loader might pass it
+        with torch.no_grad():
+            lazy.copy_to(param, 0, 2)
+        assert torch.equal(param, w[2:5]) and counting.addresses == [param.data_ptr()]
 
         counting.reads.clear()
+        counting.addresses.clear()
         whole = torch.empty(6, 8)
         lazy.copy_to(whole, 1, 0)  # every column: the whole tensor, one read
-        assert torch.equal(whole, w) and counting.reads == [6 * 8 * 4]
+        assert torch.equal(whole, w) and counting.addresses == [whole.data_ptr()]
 
         cols = torch.empty(6, 3)
         lazy.copy_to(cols, 1, 4)  # columns of several rows: one read per row, then a copy
@@ -75,3 +85,6 @@ def test_copy_to_reads_straight_into_the_target(tmp_path):
         strided = torch.empty(8, 4).t()  # [4, 8], not contiguous
         lazy.copy_to(strided, 0, 2)
         assert torch.equal(strided, w[2:6])
+
+        with pytest.raises(IndexError, match=r"\[4, 7\) along dim 0"):
+            lazy.copy_to(torch.empty(3, 8), 0, 4)

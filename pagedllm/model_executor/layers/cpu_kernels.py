@@ -104,15 +104,25 @@ class _BuildPlan:
     target: Path
 
 
+_plans: dict[tuple[str, ...], _BuildPlan] = {}
+
+
 def _build_plan(isa: str) -> _BuildPlan:
+    """Made once per process for each environment (`build_in_background` and `kernels()`
+    both ask): it runs `cc --version` and hashes the sources."""
     cc = os.environ.get("CC", "gcc")
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
     flags = _FLAGS + isa_flags(isa) + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
+    cache_dir = _cache_dir()
+    memo = (isa, cc, *flags, str(cache_dir))
+    if (plan := _plans.get(memo)) is not None:
+        return plan
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [p.read_text() for p in sorted(_SOURCE_DIR.glob("*.[ch]"))]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_id(), isa]).encode())
-    target = _cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
-    return _BuildPlan((cc, *flags), tuple(sorted(_SOURCE_DIR.glob("*.c"))), target)
+    target = cache_dir / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
+    plan = _plans[memo] = _BuildPlan((cc, *flags), tuple(sorted(_SOURCE_DIR.glob("*.c"))), target)
+    return plan
 
 
 def _ensure_built(plan: _BuildPlan) -> Path:

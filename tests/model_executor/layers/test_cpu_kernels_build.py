@@ -109,6 +109,7 @@ def test_background_build_then_kernels_compiles_once(fresh, monkeypatch, tmp_pat
     assert lib is not None and lib.pl_isa == "generic"
     compiles = [line for line in log.read_text().splitlines() if "--version" not in line]
     assert len(compiles) == 1 and len(list(fresh.glob("*.so"))) == 1
+    assert log.read_text().splitlines().count("--version") == 1  # one build plan for both
     cpu_kernels.build_in_background()  # loaded already: nothing to do
     assert [line for line in log.read_text().splitlines() if "--version" not in line] == compiles
 
