@@ -279,17 +279,18 @@ def wait_healthy(proc, url: str, log, timeout: float = 120) -> None:
     import pytest
 
     deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            pytest.fail(f"server did not become healthy:\n{log.read_text()}")
-        time.sleep(0.2)
+    with httpx.Client(timeout=1) as client:  # one client: httpx.get builds one (and a TLS context) per call
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server did not become healthy:\n{log.read_text()}")
+            time.sleep(0.2)
 
 
 # The real-model tests beyond the handful every run makes (each loads the default model; on
