@@ -16,7 +16,7 @@ from typing import Any
 from pagedllm.config import LoRAConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import MPClient
-from pagedllm.engine.core_launch import take_prestarted_core
+from pagedllm.engine.core_launch import discard_prestarted_core, take_prestarted_core
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.frontend import Frontend
@@ -38,40 +38,37 @@ class AsyncLLM:
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
+        num_engines = engine_args.data_parallel_size
+        if num_engines != 1:
+            discard_prestarted_core()  # data parallel starts one core per rank
         core = take_prestarted_core()  # `pagedllm serve` starts it before its own imports
-        try:
-            if engine_args.data_parallel_size == 1 and engine_args.resolves_on_disk():
-                # The core process builds its own config from the same arguments; this one is built
-                # while it starts. A bad argument stops the core unfinished.
-                self.balancer = DPLoadBalancer(1)
-                client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead, core=core,
-                                  while_starting=lambda: self._configure(engine_args, load_frontend=True))
-                core = None
-                self.clients = [client]
-            else:
-                self._configure(engine_args)  # validates here, before the core is told (and converts a GGUF once)
-                num_engines = self.config.parallel_config.data_parallel_size
-                self.balancer = DPLoadBalancer(num_engines)
-                if num_engines == 1:
-                    client = MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead, core=core,
-                                      while_starting=self._load_frontend)
-                    core = None
-                    self.clients = [client]
-                else:
-                    if core is not None:  # each data-parallel core is started with its own rank
-                        core.close()
-                        core = None
-                    self.clients = self._start_engines(engine_args, num_engines)
-        finally:
-            if core is not None:  # not handed to a client (data parallel, or a failed start)
-                core.close()
+        # A model already on disk: the core process builds its own config from the same arguments,
+        # and this one is built while it starts (a bad argument stops the core unfinished).
+        # Otherwise the config is checked here first, before the core is told, converting a GGUF once.
+        early = num_engines == 1 and engine_args.resolves_on_disk()
+        if not early:
+            try:
+                self._configure(engine_args)
+            except BaseException:
+                if core is not None:
+                    core.close()
+                raise
+        self.balancer = DPLoadBalancer(num_engines)
+        if num_engines == 1:  # the client owns `core` from here, and closes it if the start fails
+            load = (lambda: self._configure_and_load_frontend(engine_args)) if early else self._load_frontend
+            self.clients = [MPClient(engine_args, self._on_outputs, self._on_utility, self._on_dead, core=core,
+                                     while_starting=load)]
+        else:
+            self.clients = self._start_engines(engine_args, num_engines)
         self.client = self.clients[0]
 
-    def _configure(self, engine_args: EngineArgs, load_frontend: bool = False) -> None:
+    def _configure(self, engine_args: EngineArgs) -> None:
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
-        if load_frontend:
-            self._load_frontend()
+
+    def _configure_and_load_frontend(self, engine_args: EngineArgs) -> None:
+        self._configure(engine_args)
+        self._load_frontend()
 
     def _start_engines(self, core_args: EngineArgs, num_engines: int) -> list[MPClient]:
         """The data-parallel engine cores, started side by side while the tokenizer loads here

@@ -11,6 +11,7 @@ transformers' helpers too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -21,30 +22,27 @@ import numpy as np
 _lock = threading.Lock()
 _shared: dict[str, list[Any]] = {}  # real path -> readers, innermost `shared_gguf_reader` last
 _stock: Any = None  # gguf.GGUFReader while the dispatcher stands in for it
-_fast_class: type | None = None
 
 
+@functools.cache
 def _reader_class() -> type:
-    global _fast_class
-    if _fast_class is None:
-        from gguf.gguf_reader import GGUFReader  # the class itself, never the dispatcher
+    from gguf.gguf_reader import GGUFReader  # the class itself, never the dispatcher
 
-        class FastGGUFReader(GGUFReader):
-            """`GGUFReader` whose metadata reads slice an ndarray view, not the memmap itself."""
+    class FastGGUFReader(GGUFReader):
+        """`GGUFReader` whose metadata reads slice an ndarray view, not the memmap itself."""
 
-            def _get(self, offset: int, dtype: Any, count: int = 1,
-                     override_order: str | None = None) -> np.ndarray:
-                plain = self.__dict__.get("_plain")
-                if plain is None:  # first call comes from GGUFReader.__init__, right after self.data
-                    plain = self._plain = self.data.view(np.ndarray)
-                count = int(count)
-                dt = np.dtype(dtype)
-                arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
-                order = self.byte_order if override_order is None else override_order
-                return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+        def _get(self, offset: int, dtype: Any, count: int = 1,
+                 override_order: str | None = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:  # first call comes from GGUFReader.__init__, right after self.data
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
-        _fast_class = FastGGUFReader
-    return _fast_class
+    return FastGGUFReader
 
 
 def open_gguf_reader(path: str) -> Any:
@@ -87,7 +85,7 @@ def shared_gguf_reader(reader: Any, *paths: str) -> Iterator[None]:
         with _lock:
             for key in keys:
                 readers = _shared[key]
-                del readers[len(readers) - 1 - readers[::-1].index(reader)]
+                del readers[max(i for i, r in enumerate(readers) if r is reader)]  # this block's own entry
                 if not readers:
                     del _shared[key]
             if not _shared:

@@ -89,15 +89,17 @@ class CheckpointTensor:
         self.shape = torch.Size(info["shape"])
         self.dtype = _DTYPES[info["dtype"]]
 
-    def _read(self, offset: int, count: int) -> torch.Tensor:
-        """`count` elements from element `offset`, as a flat tensor."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        buf = bytearray(count * itemsize)
-        if buf:
-            self._raw.seek(self._offset + offset * itemsize)
-            self._raw.readinto(buf)
-            return torch.frombuffer(buf, dtype=self.dtype)
-        return torch.empty(0, dtype=self.dtype)
+    def _read(self, offset: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`count` elements from element `offset`, as a flat tensor: read into `out` (contiguous,
+        this dtype, `count` elements, on CPU) when given, else into new memory."""
+        if out is None:
+            out = torch.empty(count, dtype=self.dtype)
+        if count:
+            view = out.detach().view(-1).view(torch.uint8).numpy()
+            self._raw.seek(self._offset + offset * out.element_size())
+            if self._raw.readinto(view) != view.nbytes:
+                raise ValueError("checkpoint file ends inside a tensor")
+        return out
 
     def load(self) -> torch.Tensor:
         return self._read(0, self.shape.numel()).view(self.shape)
@@ -119,12 +121,7 @@ class CheckpointTensor:
                 and tuple(target.shape) == (*self.shape[:dim], length, *self.shape[dim + 1 :])):
             target.copy_(self.narrow(dim, start, length))
             return
-        if target.numel():
-            itemsize = target.element_size()
-            view = target.detach().view(-1).view(torch.uint8).numpy()
-            self._raw.seek(self._offset + start * inner * itemsize)
-            if self._raw.readinto(view) != view.nbytes:
-                raise ValueError("checkpoint file ends inside a tensor")
+        self._read(start * inner, target.numel(), out=target)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         dim %= len(self.shape)

@@ -209,7 +209,7 @@ def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
         try:
             if old != target and old.stat().st_mtime < stale:
                 old.unlink()  # a process that loaded it keeps its mapping
-        except FileNotFoundError:  # another process pruned it first
+        except OSError:  # another process pruned it first, or it is not ours (a shared cache)
             pass
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
@@ -94,6 +94,5 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         raise
     except OSError:  # a read-only shared cache: it ages, and its owner's writes prune it
         pass
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["modules"])
-    return load_file(str(path)), meta
+    with safe_open(str(path), framework="pt") as f:  # one open, one header parse
+        return {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["modules"])
