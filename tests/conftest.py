@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.utils import make_tiny_model
+# The suite runs two xdist workers on a 2-core machine, and every engine process it starts sizes
+# its thread pool to all the cores. OpenMP's idle threads spin ~300k rounds before they sleep, so
+# oversubscribed processes burn the cores the other worker needs: a model test file ran ~2x slower
+# beside one busy torch process. A short spin keeps a lone run as fast and stops the burning. Set
+# before torch (libgomp reads it once); the servers and workers the tests start inherit it.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import pytest  # noqa: E402
+
+from tests.utils import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,8 +23,9 @@ FREE, USED, CACHED = "f", "u", "c"
 
 def block_states(scheduler: Scheduler, max_cells: int = MAX_BLOCK_CELLS) -> str:
     pool = scheduler.kv_cache_manager.block_pool
-    return "".join(USED if b.ref_cnt > 0 else CACHED if b.block_hash is not None else FREE
+    used = "".join(USED if b.ref_cnt > 0 else CACHED if b.block_hash is not None else FREE
                    for b in pool.blocks[:max_cells])
+    return used + FREE * (min(pool.num_blocks, max_cells) - len(used))  # never-used blocks
 
 
 def queue_of(request: Request, running: bool) -> str:

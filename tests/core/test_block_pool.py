@@ -95,6 +95,21 @@ def test_free_order_is_eviction_order():
     assert _ids(pool.get_new_blocks(2)) == [2, 0]
 
 
+def test_never_used_blocks_go_out_first_in_id_order_and_are_made_on_demand():
+    """As if every block started in the LRU queue in id order: freed blocks (and the prefix-cache
+    entries they hold) are taken only once the never-used ones are gone."""
+    pool = BlockPool(6)
+    assert pool.blocks == [] and pool.get_num_free_blocks() == 6
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a], [_hash(1)], 0, 1)
+    pool.free_blocks([b, a])
+    assert len(pool.blocks) == 2 and pool.get_num_free_blocks() == 6
+    assert _ids(pool.get_new_blocks(4)) == [2, 3, 4, 5]
+    assert pool.get_cached_block(_hash(1)) is a  # still cached: nothing needed its block yet
+    assert _ids(pool.get_new_blocks(2)) == [1, 0] and pool.get_cached_block(_hash(1)) is None
+    assert _ids(pool.blocks) == list(range(6)) and pool.get_num_free_blocks() == 0
+
+
 def test_shared_block_freed_only_when_last_ref_dropped():
     pool = BlockPool(2)
     (blk,) = pool.get_new_blocks(1)
