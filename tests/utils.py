@@ -271,26 +271,14 @@ def free_port() -> int:
 
 
 def wait_healthy(proc, url: str, log, timeout: float = 120) -> None:
-    """Poll `url`/health until it answers 200; fail with the server's log (`log`, a Path) if the
-    process exits first or `timeout` seconds pass."""
-    import time
+    """`pagedllm bench compare`'s poll of `url`/health, failing the test with the server's log
+    (`log`, a Path) if the process exits first or `timeout` seconds pass."""
+    from pagedllm.entrypoints.cli.bench_compare import wait_healthy as poll
 
-    import httpx
-    import pytest
-
-    deadline = time.time() + timeout
-    with httpx.Client(timeout=1) as client:  # one client: httpx.get builds one (and a TLS context) per call
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not become healthy:\n{log.read_text()}")
-            time.sleep(0.2)
+    try:
+        poll("server", proc, url, str(log), timeout)
+    except ValueError as e:
+        pytest.fail(f"{e}\n{log.read_text()}")
 
 
 # The real-model tests beyond the handful every run makes (each loads the default model; on

@@ -185,7 +185,7 @@ def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout
         os.unlink(log.name)
         raise
     try:
-        _wait_healthy(name, proc, url, log.name, timeout)
+        wait_healthy(name, proc, url, log.name, timeout)
         yield LaunchedServer(url, time.monotonic() - start)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -214,7 +214,9 @@ def _pagedllm_server(args: argparse.Namespace) -> Iterator[str | None]:
         yield server.url
 
 
-def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+def wait_healthy(name: str, proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+    """Poll `url`/health until it answers 200. ValueError with the log's tail if the process
+    exits first, or after `timeout` seconds."""
     import httpx
 
     deadline = time.monotonic() + timeout

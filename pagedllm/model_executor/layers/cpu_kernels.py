@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import cpu_isa
+from pagedllm.cache_files import prune_stale, write_atomically
 from pagedllm.envs import cache_root
 
 logger = logging.getLogger(__name__)
@@ -192,25 +192,13 @@ def _build(isa: str) -> ctypes.CDLL:
 
 
 def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
-    # Build beside the target, then rename: concurrent processes never load half a file.
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([*cmd, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True, check=True)
-        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache needs it readable
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # Built under a temporary name and renamed: concurrent processes never load half a file.
+    write_atomically(target, lambda tmp: subprocess.run([*cmd, "-o", tmp, *map(str, sources), "-lm"],
+                                                        capture_output=True, text=True, check=True),
+                     temp_prefix=".build-", mode=0o755)
     # Builds of other sources or flags (other versions, debug builds) that nobody has used for a
     # day; an active checkout of another version just rebuilds (~1 s) if its build goes.
-    stale = time.time() - _STALE_SECONDS
-    for old in target.parent.glob("*.so"):
-        try:
-            if old != target and old.stat().st_mtime < stale:
-                old.unlink()  # a process that loaded it keeps its mapping
-        except OSError:  # another process pruned it first, or it is not ours (a shared cache)
-            pass
+    prune_stale(target.parent, "*.so", _STALE_SECONDS, keep=target)
 
 
 def load(isa: str) -> ctypes.CDLL:

@@ -17,13 +17,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from pagedllm.cache_files import prune_stale, write_atomically
 from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
@@ -59,30 +58,12 @@ def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: lis
 
 
 def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, dict]) -> None:
-    """Written beside the target and renamed: a concurrent reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".quant-", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"modules": json.dumps(meta)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _remove_stale(path.parent)
-
-
-def _remove_stale(directory: Path) -> None:
-    """Files no start has read for STALE_DAYS (`load` marks a file read), and temporary files a
-    killed process left a day ago or more."""
-    now = time.time()
-    for entry in directory.glob("*.safetensors"):
-        age = STALE_DAYS * 86400 if not entry.name.startswith(".quant-") else 86400
-        try:
-            if entry.stat().st_mtime < now - age:
-                entry.unlink()  # a process that has it open keeps reading it
-        except OSError:  # removed by another process first, or not ours to remove
-            continue
+    """Written under a temporary name and renamed: a concurrent reader never sees half a file.
+    Then the files no start has read for STALE_DAYS (`load` marks a file read) are removed, and
+    temporary files a killed process left a day ago or more."""
+    write_atomically(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                                 metadata={"modules": json.dumps(meta)}), temp_prefix=".quant-")
+    prune_stale(path.parent, "*.safetensors", STALE_DAYS * 86400, temp_prefix=".quant-")
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -1,0 +1,48 @@
+"""Files in pagedllm's on-disk caches (kernel builds, quantized weights): written whole or not at
+all, and removed once no process has used them for a while.
+
+Several processes share a cache (an engine core and its workers, two servers, two test
+workers), so a file is made under a temporary name beside its target and renamed into place: a
+reader sees the old file, the new one, or none, never half of one. Removal is safe while a file
+is open or mapped: its reader keeps it until it closes it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomically(target: Path, write: Callable[[str], None], *, temp_prefix: str, mode: int = 0o644) -> None:
+    """`write(tmp)` fills a temporary file beside `target`, which is then renamed onto it. The
+    file gets `mode` (mkstemp makes it owner-only; a shared cache must be readable)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def prune_stale(directory: Path, pattern: str, max_age_s: float, *, keep: Path | None = None,
+                temp_prefix: str | None = None, temp_max_age_s: float = 86400) -> None:
+    """Remove the files matching `pattern` not modified for `max_age_s` (a reader that wants a
+    file kept touches it), except `keep`; temporary files (`temp_prefix`) a killed writer left
+    go after `temp_max_age_s`. A file another process removed first, or one not ours to
+    remove (a read-only shared cache), is left alone."""
+    now = time.time()
+    for entry in directory.glob(pattern):
+        if keep is not None and entry == keep:
+            continue
+        is_temp = temp_prefix is not None and entry.name.startswith(temp_prefix)
+        try:
+            if entry.stat().st_mtime < now - (temp_max_age_s if is_temp else max_age_s):
+                entry.unlink()
+        except OSError:
+            continue
