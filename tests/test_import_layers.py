@@ -36,6 +36,7 @@ import pagedllm
 LAYERS = [
     "version",
     "envs",
+    "cache_files",
     "logger",
     "cpu_isa",
     "sampling_params",
