@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomically(target: Path, write: Callable[[str], None], *, temp_prefix: str, mode: int = 0o644) -> None:
+def write_atomically(target: Path, write: Callable[[str], object], *, temp_prefix: str, mode: int = 0o644) -> None:
     """`write(tmp)` fills a temporary file beside `target`, which is then renamed onto it. The
     file gets `mode` (mkstemp makes it owner-only; a shared cache must be readable)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -32,8 +32,8 @@ def write_atomically(target: Path, write: Callable[[str], None], *, temp_prefix:
 
 def prune_stale(directory: Path, pattern: str, max_age_s: float, *, keep: Path | None = None,
                 temp_prefix: str | None = None, temp_max_age_s: float = 86400) -> None:
-    """Remove the files matching `pattern` not modified for `max_age_s` (a reader that wants a
-    file kept touches it), except `keep`; temporary files (`temp_prefix`) a killed writer left
+    """Remove the files matching `pattern` not modified for `max_age_s` (a reader that marks its
+    use with a touch keeps a file alive), except `keep`; temporary files (`temp_prefix`) a killed writer left
     go after `temp_max_age_s`. A file another process removed first, or one not ours to
     remove (a read-only shared cache), is left alone."""
     now = time.time()

@@ -277,8 +277,10 @@ def wait_healthy(proc, url: str, log, timeout: float = 120) -> None:
 
     try:
         poll("server", proc, url, str(log), timeout)
+        return
     except ValueError as e:
-        pytest.fail(f"{e}\n{log.read_text()}")
+        message = str(e).split("\n", 1)[0]  # the full log follows, once
+    pytest.fail(f"{message}\n{log.read_text()}")
 
 
 # The real-model tests beyond the handful every run makes (each loads the default model; on

@@ -81,7 +81,7 @@ class BlockPool:
     A block's object is made the first time it is handed out: never-used blocks go out in id
     order before any freed one (they would head the LRU queue), so `blocks` holds ids
     0..len(blocks)-1 and the rest are free, unhashed and unreferenced. A cache of a few hundred
-    thousand blocks then costs nothing to start (a tiny model's default cache: ~1.4 s)."""
+    thousand blocks then costs nothing to set up."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
