@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pagedllm.forward_context import set_forward_context
+from pagedllm.model_executor.layers import attention as attention_module
 from pagedllm.model_executor.layers import cpu_kernels
-from pagedllm.model_executor.layers.attention import Attention, decode_view
+from pagedllm.model_executor.layers.attention import Attention, causal_tiles, decode_view
 from pagedllm.worker.step_inputs import prepare_inputs
 from tests.model_executor.layers.conftest import kernel_levels
 
@@ -145,3 +146,33 @@ def test_sliding_window_reads_only_the_blocks_in_the_window():
     lone = decode_view(_run([40], [1], window=6), 6, BLOCK, torch.device("cpu"))
     assert lone.block_tables.shape == (1, 2) and lone.masked_out is None
     assert (lone.first_key, lone.num_keys) == (2, 8)  # keys 34..39 of blocks 8 and 9
+
+
+@pytest.mark.parametrize("context", [0, 9])
+def test_long_prefill_under_a_window_runs_in_tiles_of_rows(context, monkeypatch):
+    """Prefills longer than the tile, with and without cached context, beside a decode."""
+    monkeypatch.setattr(attention_module, "WINDOW_TILE_ROWS", 4)
+    _run([context + 23, 11], [23, 1], window=6)
+
+
+def test_tiles_read_only_the_keys_their_rows_can_see():
+    tiles = causal_tiles(q_start=9, query_len=23, k_start=4, window=6, device=torch.device("cpu"))
+    assert [t.rows for t in tiles] == [slice(lo, min(23, lo + attention_module.WINDOW_TILE_ROWS))
+                                       for lo in range(0, 23, attention_module.WINDOW_TILE_ROWS)]
+    for t in tiles:
+        rows = t.rows.stop - t.rows.start
+        assert t.mask.shape == (rows, t.keys.stop - t.keys.start) and t.keys.stop - t.keys.start <= rows + 5
+        assert t.mask.any(dim=1).all()  # every row sees its own key at least
+    (whole,) = causal_tiles(q_start=9, query_len=23, k_start=0, window=None, device=torch.device("cpu"))
+    assert whole.keys == slice(0, 32) and whole.mask.shape == (23, 32)
+
+
+def test_uncached_attention_under_a_window_matches_dense(monkeypatch):
+    """Without a KV cache (no forward context): a long query under a window, in tiles."""
+    monkeypatch.setattr(attention_module, "WINDOW_TILE_ROWS", 4)
+    g = torch.Generator().manual_seed(3)
+    attn = Attention(HEADS, HEAD_DIM, KV_HEADS, SCALE, sliding_window=5)
+    q = torch.randn(17, HEADS, HEAD_DIM, generator=g)
+    k, v = torch.randn(2, 17, KV_HEADS, HEAD_DIM, generator=g)
+    ref = _reference(q, k, v, list(range(17)), 5)
+    torch.testing.assert_close(attn(q, k, v).double(), ref, **_tol(torch.float32))
