@@ -15,19 +15,46 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomically(target: Path, write: Callable[[str], object], *, temp_prefix: str, mode: int = 0o644) -> None:
+def write_atomically(target: Path, write: Callable[[str], object], *, temp_prefix: str,
+                     executable: bool = False) -> None:
     """`write(tmp)` fills a temporary file beside `target`, which is then renamed onto it. The
-    file gets `mode` (mkstemp makes it owner-only; a shared cache must be readable)."""
+    file gets the mode a plain `open` (or a linker, when `executable`) would give it under the
+    process's umask: mkstemp makes it owner-only, and a shared cache must be readable."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=target.suffix, dir=target.parent)
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, mode)
+        os.chmod(tmp, (0o777 if executable else 0o666) & ~current_umask())
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def current_umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for every thread
+    meanwhile); 022 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def mark_used(path: Path) -> None:
+    """Touch a cache file as it is read, so no process's `prune_stale` takes it while in use.
+    A read-only shared cache cannot be touched: its files age, and its owner's writes prune them.
+    Raises FileNotFoundError where the file is gone."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        pass
 
 
 def prune_stale(directory: Path, pattern: str, max_age_s: float, *, keep: Path | None = None,

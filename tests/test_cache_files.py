@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pagedllm.cache_files import prune_stale, write_atomically
+from pagedllm.cache_files import current_umask, mark_used, prune_stale, write_atomically
 
 
 def _age(path, days: float) -> None:
@@ -17,7 +17,14 @@ def _age(path, days: float) -> None:
     os.utime(path, (t, t))
 
 
-def test_write_is_renamed_into_place_with_its_mode(tmp_path):
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def test_write_is_renamed_into_place_with_the_umask_mode(tmp_path, umask_027):
     target = tmp_path / "sub" / "a.bin"
     seen = []
 
@@ -27,11 +34,23 @@ def test_write_is_renamed_into_place_with_its_mode(tmp_path):
         with open(tmp, "wb") as f:
             f.write(b"payload")
 
-    write_atomically(target, write, temp_prefix=".tmp-", mode=0o755)
-    assert target.read_bytes() == b"payload" and stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert current_umask() == 0o027
+    write_atomically(target, write, temp_prefix=".tmp-", executable=True)
+    assert target.read_bytes() == b"payload" and stat.S_IMODE(target.stat().st_mode) == 0o750
     assert os.path.basename(seen[0]).startswith(".tmp-") and not os.path.exists(seen[0])
     write_atomically(target, lambda tmp: open(tmp, "wb").write(b"new"), temp_prefix=".tmp-")
-    assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+def test_mark_used_keeps_a_file_from_the_prune(tmp_path):
+    used = tmp_path / "used.so"
+    used.write_bytes(b"x")
+    _age(used, 3)
+    mark_used(used)
+    prune_stale(tmp_path, "*.so", 2 * 86400)
+    assert used.exists()
+    with pytest.raises(FileNotFoundError):
+        mark_used(tmp_path / "gone.so")
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -89,18 +89,19 @@ def max_chars_per_token(tokenizer: Any) -> int:
     guard). Byte-level entries spell a multi-byte character with several characters, which
     keeps the bound safe. Measured once per tokenizer and vocabulary size: every serving class
     asks."""
+    vocab = len(tokenizer)
     with contextlib.suppress(KeyError, TypeError):
         size, longest = _MAX_CHARS[tokenizer]
-        if size == len(tokenizer):
+        if size == vocab:
             return longest
     try:
-        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        tokens = tokenizer.convert_ids_to_tokens(list(range(vocab)))
         longest = max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
     except Exception:  # an unusual tokenizer: a generous fixed bound
         logger.debug("could not measure the vocabulary's longest token", exc_info=True)
         return 64
     with contextlib.suppress(TypeError):  # not weakly referable: measured again next time
-        _MAX_CHARS[tokenizer] = (len(tokenizer), longest)
+        _MAX_CHARS[tokenizer] = (vocab, longest)
     return longest
 
 

@@ -15,6 +15,7 @@ every caller keeps its torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import cpu_isa
-from pagedllm.cache_files import prune_stale, write_atomically
+from pagedllm.cache_files import mark_used, prune_stale, write_atomically
 from pagedllm.envs import cache_root
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,8 @@ def _build(isa: str) -> ctypes.CDLL:
         target = _ensure_built(plan)
         try:
             lib = ctypes.CDLL(str(target))
+            with contextlib.suppress(FileNotFoundError):  # pruned after the load: it stays mapped
+                mark_used(target)  # in use: another version's build does not prune it
             break
         except OSError:  # removed or replaced under us by another process: build it again
             if attempt:
@@ -195,7 +198,7 @@ def _compile(cmd: list[str], sources: list[Path], target: Path) -> None:
     # Built under a temporary name and renamed: concurrent processes never load half a file.
     write_atomically(target, lambda tmp: subprocess.run([*cmd, "-o", tmp, *map(str, sources), "-lm"],
                                                         capture_output=True, text=True, check=True),
-                     temp_prefix=".build-", mode=0o755)
+                     temp_prefix=".build-", executable=True)
     # Builds of other sources or flags (other versions, debug builds) that nobody has used for a
     # day; an active checkout of another version just rebuilds (~1 s) if its build goes.
     prune_stale(target.parent, "*.so", _STALE_SECONDS, keep=target)

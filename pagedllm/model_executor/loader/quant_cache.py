@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pagedllm.cache_files import prune_stale, write_atomically
+from pagedllm.cache_files import mark_used, prune_stale, write_atomically
 from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
@@ -69,11 +69,6 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, dict]) ->
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     from safetensors import safe_open
 
-    try:
-        os.utime(path)  # in use: no other process's prune takes it while it is read
-    except FileNotFoundError:
-        raise
-    except OSError:  # a read-only shared cache: it ages, and its owner's writes prune it
-        pass
+    mark_used(path)
     with safe_open(str(path), framework="pt") as f:  # one open, one header parse
         return {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["modules"])
