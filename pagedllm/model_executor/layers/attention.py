@@ -193,7 +193,7 @@ def decode_view(
 def prefill_view(
     seg: PrefillSegment, window: int | None, block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, int, list[AttentionTile]]:
-    """What a prefill chunk with cached context reads under `window`: the block-table slice
+    """What a prefill chunk (with cached context, or longer than `window`) reads under `window`: the block-table slice
     from the block holding its earliest query's window start, the number of keys in it, and
     the tiles of query rows that read them (`causal_tiles`)."""
     total = seg.context_len + seg.query_len
