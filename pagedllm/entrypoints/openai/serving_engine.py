@@ -89,12 +89,12 @@ def max_chars_per_token(tokenizer: Any) -> int:
     guard). Byte-level entries spell a multi-byte character with several characters, which
     keeps the bound safe. Measured once per tokenizer and vocabulary size: every serving class
     asks."""
-    vocab = len(tokenizer)
-    with contextlib.suppress(KeyError, TypeError):
-        size, longest = _MAX_CHARS[tokenizer]
-        if size == vocab:
-            return longest
     try:
+        vocab = len(tokenizer)
+        with contextlib.suppress(KeyError, TypeError):
+            size, longest = _MAX_CHARS[tokenizer]
+            if size == vocab:
+                return longest
         tokens = tokenizer.convert_ids_to_tokens(list(range(vocab)))
         longest = max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1
     except Exception:  # an unusual tokenizer: a generous fixed bound
