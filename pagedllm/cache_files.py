@@ -19,7 +19,8 @@ def write_atomically(target: Path, write: Callable[[str], object], *, temp_prefi
                      executable: bool = False) -> None:
     """`write(tmp)` fills a temporary file beside `target`, which is then renamed onto it. The
     file gets the mode a plain `open` (or a linker, when `executable`) would give it under the
-    process's umask: mkstemp makes it owner-only, and a shared cache must be readable."""
+    process's umask, where mkstemp would make it owner-only: a cache shared by several users
+    is readable to them as far as the umask lets it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=target.suffix, dir=target.parent)
     os.close(fd)

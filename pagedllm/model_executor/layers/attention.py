@@ -4,11 +4,11 @@ Every call first scatters the step's new K/V into their slots (slot_mapping), th
 - runs all one-token queries (decodes) in one call: on CPU pagedllm's C kernel, which reads
   the blocks in place; elsewhere batched GEMMs over their gathered blocks, masked by
   sequence length (and sliding window);
-- runs each multi-token query (prefill chunk) as its own SDPA call with a causal
-  mask offset by the tokens already in its cache.
-Sliding-window layers read only the blocks that hold some query's window, and a long query
-under a window runs in tiles of query rows, each against only the keys its rows can see: SDPA
-skips no masked-out block of an explicit mask, so one call would cost the whole square.
+- runs each multi-token query (prefill chunk) through SDPA with a causal mask offset by the
+  tokens already in its cache: one call, or under a sliding window one call per tile of query
+  rows, each against only the keys its rows can see (SDPA computes every score of an explicit
+  mask, so one call would cost the whole square).
+Sliding-window layers read only the blocks that hold some query's window.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from torch import nn
 from pagedllm.forward_context import AttentionMetadata, DecodeView, PrefillSegment, get_attention_metadata
 from pagedllm.model_executor.layers import cpu_kernels
 
-# Query rows per SDPA call under a sliding window: a tile costs rows x (rows + window) scores.
-# A 4,096-token prompt under a 512 window on 2 AVX2 cores: 128 rows 112 ms per layer, 256 rows
-# 143, 512 rows 170, one masked call 674.
+# Query rows per SDPA call under a sliding window: a tile costs rows x (rows + window - 1)
+# scores; smaller tiles waste fewer, at a call each (docs/performance.md, "row tiles").
 WINDOW_TILE_ROWS = 128
 
 
@@ -124,7 +123,7 @@ class Attention(nn.Module):
         if view is None:
             view = seg.views[self.sliding_window] = prefill_view(seg, self.sliding_window, k_cache.shape[1], q.device)
         table, num_keys, tiles = view
-        if seg.context_len == 0:  # every key is new: read them as computed, not from the cache
+        if seg.context_len == 0:  # every key is new (and the view's keys start at 0): read them as computed
             return self._tiled(q, k, v, tiles)
         keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
@@ -193,9 +192,10 @@ def decode_view(
 def prefill_view(
     seg: PrefillSegment, window: int | None, block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, int, list[AttentionTile]]:
-    """What a prefill chunk (with cached context, or longer than `window`) reads under `window`: the block-table slice
-    from the block holding its earliest query's window start, the number of keys in it, and
-    the tiles of query rows that read them (`causal_tiles`)."""
+    """What a prefill chunk (with cached context, or longer than `window`) reads under
+    `window`: the block-table slice from the block holding its earliest query's window start
+    (block 0 without context), the number of keys in it, and the tiles of query rows that read
+    them (`causal_tiles`)."""
     total = seg.context_len + seg.query_len
     first = 0
     if window is not None:
@@ -218,7 +218,7 @@ def causal_tiles(
     position) into SDPA calls. Without a window, one call over every key; under a window,
     tiles of `WINDOW_TILE_ROWS` rows, each over only the keys from its first row's window
     start to its last row."""
-    step = query_len if window is None else WINDOW_TILE_ROWS
+    step = max(1, query_len) if window is None else WINDOW_TILE_ROWS
     tiles = []
     for lo in range(0, query_len, step):
         hi = min(query_len, lo + step)

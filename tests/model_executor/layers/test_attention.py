@@ -155,14 +155,23 @@ def test_long_prefill_under_a_window_runs_in_tiles_of_rows(context, monkeypatch)
     _run([context + 23, 11], [23, 1], window=6)
 
 
-def test_tiles_read_only_the_keys_their_rows_can_see():
-    tiles = causal_tiles(q_start=9, query_len=23, k_start=4, window=6, device=torch.device("cpu"))
-    assert [t.rows for t in tiles] == [slice(lo, min(23, lo + attention_module.WINDOW_TILE_ROWS))
-                                       for lo in range(0, 23, attention_module.WINDOW_TILE_ROWS)]
+@pytest.mark.parametrize("window, query_len, q_start", [(6, 23, 9), (3, 16, 0), (9, 12, 30)])
+def test_tiles_read_only_the_keys_their_rows_can_see(window, query_len, q_start, monkeypatch):
+    """Each tile's mask is the dense causal-window mask cut to its rows and keys, and nothing
+    the tile leaves out is visible to its rows (windows below, at and above the tile size)."""
+    monkeypatch.setattr(attention_module, "WINDOW_TILE_ROWS", 4)
+    k_start = max(0, q_start + 1 - window) // BLOCK * BLOCK
+    tiles = causal_tiles(q_start, query_len, k_start, window, torch.device("cpu"))
+    q_pos = torch.arange(q_start, q_start + query_len)[:, None]
+    k_pos = torch.arange(k_start, q_start + query_len)[None, :]
+    dense = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    assert [t.rows for t in tiles] == [slice(lo, min(query_len, lo + 4)) for lo in range(0, query_len, 4)]
     for t in tiles:
-        rows = t.rows.stop - t.rows.start
-        assert t.mask.shape == (rows, t.keys.stop - t.keys.start) and t.keys.stop - t.keys.start <= rows + 5
-        assert t.mask.any(dim=1).all()  # every row sees its own key at least
+        assert torch.equal(t.mask, dense[t.rows, t.keys])
+        outside = dense[t.rows].clone()
+        outside[:, t.keys] = False
+        assert not outside.any()
+        assert t.mask[:, 0].any()  # its first key is some row's window start: none read needlessly
     (whole,) = causal_tiles(q_start=9, query_len=23, k_start=0, window=None, device=torch.device("cpu"))
     assert whole.keys == slice(0, 32) and whole.mask.shape == (23, 32)
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 
 import pytest
 import torch
 
 from pagedllm import cpu_isa
+from pagedllm.cache_files import current_umask
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 
@@ -123,7 +125,7 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     assert _reload(monkeypatch) is not None
     (built,) = fresh.glob("*.so")
     assert built.name.startswith("cpu_kernels-avx512-")
-    assert built.stat().st_mode & 0o444 == 0o444  # readable by others sharing the cache
+    assert stat.S_IMODE(built.stat().st_mode) == 0o777 & ~current_umask()  # as the linker would make it
     inode, stamp = built.stat().st_ino, built.stat().st_mtime_ns
     os.utime(built, ns=(stamp - 10**9, stamp - 10**9))
     assert _reload(monkeypatch) is not None  # loaded, not rebuilt (a rebuild is renamed in: a new inode)
