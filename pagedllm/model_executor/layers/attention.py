@@ -117,24 +117,30 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         seg: PrefillSegment,
     ) -> torch.Tensor:
-        if seg.context_len == 0 and (self.sliding_window is None or seg.query_len <= self.sliding_window):
-            return self._sdpa(q, k, v, is_causal=True)
-        view = seg.views.get(self.sliding_window)
-        if view is None:
-            view = seg.views[self.sliding_window] = prefill_view(seg, self.sliding_window, k_cache.shape[1], q.device)
-        table, num_keys, tiles = view
-        if seg.context_len == 0:  # every key is new (and the view's keys start at 0): read them as computed
-            return self._tiled(q, k, v, tiles)
+        if seg.context_len == 0:  # every key is new: read them as computed, not from the cache
+            return self._causal(q, k, v, seg, k_cache.shape[1])
+        table, num_keys, tiles = self._view(seg, k_cache.shape[1], q.device)
         keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         return self._tiled(q, keys, values, tiles)
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention among the new tokens alone, without a cache."""
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment | None = None,
+                block_size: int = 0) -> torch.Tensor:
+        """Attention among the new tokens alone; a long query under a window in tiles, shared
+        by the layers through `seg` where there is one (their keys start at position 0)."""
         n = q.shape[0]
         if self.sliding_window is None or n <= self.sliding_window:
             return self._sdpa(q, k, v, is_causal=True)
-        return self._tiled(q, k, v, causal_tiles(0, n, 0, self.sliding_window, q.device))
+        if seg is None:
+            return self._tiled(q, k, v, causal_tiles(0, n, 0, self.sliding_window, q.device))
+        return self._tiled(q, k, v, self._view(seg, block_size, q.device)[2])
+
+    def _view(self, seg: PrefillSegment, block_size: int, device: torch.device) -> tuple[torch.Tensor, int, list]:
+        """`prefill_view` under this layer's window, built by the first layer that asks."""
+        view = seg.views.get(self.sliding_window)
+        if view is None:
+            view = seg.views[self.sliding_window] = prefill_view(seg, self.sliding_window, block_size, device)
+        return view
 
     def _tiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[AttentionTile]) -> torch.Tensor:
         if len(tiles) == 1:
