@@ -26,11 +26,18 @@ def write_atomically(target: Path, write: Callable[[str], object], *, temp_prefi
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, (0o777 if executable else 0o666) & ~current_umask())
+        os.chmod(tmp, umask_mode(executable))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def umask_mode(executable: bool = False) -> int:
+    """The mode a plain `open` (0666) or `mkdir` / a linker (0777, `executable`) gives a new
+    entry under the process's umask: what every cache entry gets, where mkstemp and mkdtemp
+    would make it owner-only."""
+    return (0o777 if executable else 0o666) & ~current_umask()
 
 
 def current_umask() -> int:

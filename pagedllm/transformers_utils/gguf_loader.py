@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.cache_files import umask_mode
 from pagedllm.envs import cache_root
 from pagedllm.transformers_utils.gguf_archs import (
     EXPERTS,
@@ -128,10 +129,12 @@ def gguf_is_quantized(model_path: str) -> bool:
 
 
 def _make_readable(directory: Path) -> None:
-    """mkdtemp (and safetensors) create owner-only entries; a shared cache must be readable."""
-    directory.chmod(0o755)
+    """mkdtemp (and safetensors) create owner-only entries: the conversion gets the modes the
+    umask gives, as the kernel and quantization caches do, so a shared cache is readable as far
+    as the umask lets it."""
+    directory.chmod(umask_mode(executable=True))
     for entry in directory.iterdir():
-        entry.chmod(0o644)
+        entry.chmod(umask_mode())
 
 
 def _remove_stale_tmp_dirs(root: Path, key: str) -> None:

@@ -105,13 +105,23 @@ def max_chars_per_token(tokenizer: Any) -> int:
     return longest
 
 
-def _vocab_size(model_config: Any, tokenizer: Any) -> int:
-    """The model's vocabulary (what the engine accepts), else the tokenizer's."""
+def vocab_size(model_config: Any, tokenizer: Any) -> int:
+    """The model's vocabulary (what the engine accepts), else the tokenizer's: its length (added
+    tokens included), or its `vocab_size` for one without a length. A clear error at start-up
+    where neither says."""
+    for size in (getattr(getattr(model_config, "text_config", None), "vocab_size", None),
+                 _length(tokenizer), getattr(tokenizer, "vocab_size", None)):
+        if isinstance(size, int) and size > 0:
+            return size
+    raise ValueError("cannot tell the vocabulary size: the model config has no vocab_size, and the tokenizer "
+                     "neither a length nor a vocab_size")
+
+
+def _length(tokenizer: Any) -> int | None:
     try:
-        size = model_config.text_config.vocab_size
-    except AttributeError:
-        size = None
-    return size if isinstance(size, int) and size > 0 else len(tokenizer)
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 def _generation_defaults(model_path: str) -> dict[str, Any]:
@@ -143,7 +153,7 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.model_config = engine.model_config
         self.max_model_len: int = engine.model_config.max_model_len
-        self.vocab_size = _vocab_size(engine.model_config, self.tokenizer)
+        self.vocab_size = vocab_size(engine.model_config, self.tokenizer)
         # Normalisation may shrink text (NFKC, whitespace): a 4x margin on the bound.
         self.max_prompt_chars = 4 * (self.max_model_len + 16) * max_chars_per_token(self.tokenizer)
         self.served_model_names = models.base_model_names

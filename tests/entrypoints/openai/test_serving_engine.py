@@ -1,9 +1,14 @@
-"""The OpenAI layer's prompt-length guard: the longest vocabulary entry, measured once per
-tokenizer (every serving class asks at start-up) and again when the vocabulary grows."""
+"""The OpenAI layer's start-up measures: the prompt-length guard (the longest vocabulary entry,
+measured once per tokenizer, as every serving class asks, and again when the vocabulary grows)
+and the vocabulary size prompt token ids are checked against."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.serving_engine import max_chars_per_token
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.entrypoints.openai.serving_engine import max_chars_per_token, vocab_size
 
 
 class _Vocab:
@@ -31,3 +36,21 @@ def test_a_tokenizer_that_cannot_list_its_vocabulary_gets_a_generous_bound():
             raise TypeError("no length")
 
     assert max_chars_per_token(Opaque()) == 64
+
+
+def test_vocab_size_from_the_model_then_the_tokenizer():
+    class Sized:
+        vocab_size = 7
+
+    class Opaque:
+        def __len__(self) -> int:
+            raise TypeError("no length")
+
+    model = SimpleNamespace(text_config=SimpleNamespace(vocab_size=262144))
+    assert vocab_size(model, _Vocab(["a"])) == 262144  # the model's, whatever the tokenizer says
+    assert vocab_size(SimpleNamespace(), _Vocab(["a", "b", "c"])) == 3  # added tokens count
+    assert vocab_size(SimpleNamespace(text_config=SimpleNamespace(vocab_size=None)), Sized()) == 7
+    opaque_sized = type("OpaqueSized", (Opaque,), {"vocab_size": 5})()
+    assert vocab_size(SimpleNamespace(), opaque_sized) == 5
+    with pytest.raises(ValueError, match="vocabulary size"):
+        vocab_size(SimpleNamespace(), Opaque())

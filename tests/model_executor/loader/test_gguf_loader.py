@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -198,6 +199,22 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     newer = convert_gguf(str(src), cache_dir=str(cache))
     assert newer != out
     assert not Path(out).exists() and [p.name for p in (cache / "gguf").iterdir()] == [Path(newer).name]
+
+
+def test_conversion_modes_follow_the_umask(tmp_path: Path) -> None:
+    """mkdtemp and safetensors make owner-only entries; the finished conversion gets what the
+    umask gives a plain mkdir / open, like the other caches (readable to a shared cache's users
+    as far as the umask allows, never beyond it)."""
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, "llama")
+    old = os.umask(0o027)
+    try:
+        out = Path(convert_gguf(str(src), cache_dir=str(tmp_path / "cache")))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
 
 
 class _Parsed:
