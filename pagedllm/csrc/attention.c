@@ -71,25 +71,24 @@ static void softmax_rows(float *p, int64_t rows, int64_t n) {
     }
 }
 
-/* out rows of G heads = p [G, n] @ values at off[0..n): two vectors of lanes per pass. */
+/* out rows of G heads = p [G, n] @ values at off[0..n). Keys in the outer loop: each value row
+ * (d contiguous elements) is read once, front to back, and the G x d sums stay in L1 (`acc`).
+ * (Passes over the keys for 16 lanes at a time read one cache line per key per pass: from memory,
+ * ~4.5 GB/s on an AVX2 EPYC, a third of what it streams.) Each element still sums its keys in
+ * order, one fused multiply-add each. */
 static void weighted_values(const void *vc, int bf16, const int64_t *off, int64_t n, const float *p, int64_t G,
-                            int64_t d, void *out) {
-    for (int64_t c = 0; c < d; c += 2 * VL) {
-        vf acc[MAX_GROUP][2];
-        for (int64_t g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
-        for (int64_t i = 0; i < n; i++) {
-            vf v0 = vload(vc, bf16, off[i] + c, VL), v1 = vload(vc, bf16, off[i] + c + VL, VL);
-            for (int64_t g = 0; g < G; g++) {
-                vf w = vset1(p[g * n + i]);
-                acc[g][0] = vfmadd(v0, w, acc[g][0]);
-                acc[g][1] = vfmadd(v1, w, acc[g][1]);
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            vstore(out, bf16, g * d + c, acc[g][0], VL);
-            vstore(out, bf16, g * d + c + VL, acc[g][1], VL);
+                            int64_t d, float *acc, void *out) {
+    for (int64_t j = 0; j < G * d; j += VL) vstoref(acc + j, vzero(), VL);
+    for (int64_t i = 0; i < n; i++) {
+        vf w[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) w[g] = vset1(p[g * n + i]);
+        for (int64_t c = 0; c < d; c += VL) {
+            vf v = vload(vc, bf16, off[i] + c, VL);
+            for (int64_t g = 0; g < G; g++) vstoref(acc + g * d + c, vfmadd(v, w[g], vloadf(acc + g * d + c, VL)), VL);
         }
     }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < d; c += VL) vstore(out, bf16, g * d + c, vloadf(acc + g * d + c, VL), VL);
 }
 
 void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int64_t hk, int64_t d, const void *k_cache,
@@ -107,6 +106,7 @@ void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int6
         /* each key's element offset in the caches, resolved through the block table once */
         int64_t *off = malloc((size_t)n * sizeof(int64_t));
         float *p = malloc((size_t)(G * n) * sizeof(float));
+        float *acc = aligned_alloc(64, (size_t)(G * d) * sizeof(float));  /* d % 32 == 0: whole lines */
         for (int64_t t = lo, i = 0; t < len; t++, i++) off[i] = ((table[t / block_size] * block_size + t % block_size) * hk + h) * d;
         for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
             int64_t gg = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
@@ -114,8 +114,9 @@ void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int6
             const char *qh = (const char *)q + head * d * esize;
             for (int64_t i = 0; i < n; i++) key_scores(k_cache, bf16, off[i], qh, d, gg, p + i, n, scale);
             softmax_rows(p, gg, n);
-            weighted_values(v_cache, bf16, off, n, p, gg, d, (char *)out + head * d * esize);
+            weighted_values(v_cache, bf16, off, n, p, gg, d, acc, (char *)out + head * d * esize);
         }
+        free(acc);
         free(p);
         free(off);
     }
