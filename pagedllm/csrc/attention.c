@@ -73,9 +73,9 @@ static void softmax_rows(float *p, int64_t rows, int64_t n) {
 
 /* out rows of G heads = p [G, n] @ values at off[0..n). Keys in the outer loop: each value row
  * (d contiguous elements) is read once, front to back, and the G x d sums stay in L1 (`acc`).
- * (Passes over the keys for 16 lanes at a time read one cache line per key per pass: from memory,
- * ~4.5 GB/s on an AVX2 EPYC, a third of what it streams.) Each element still sums its keys in
- * order, one fused multiply-add each. */
+ * (Passes over all the keys for 16 lanes at a time would read one cache line per key per pass:
+ * ~4.5 GB/s from memory on an AVX2 EPYC, a third of what it streams.) Each element sums its
+ * keys in order, one `vfmadd` each. */
 static void weighted_values(const void *vc, int bf16, const int64_t *off, int64_t n, const float *p, int64_t G,
                             int64_t d, float *acc, void *out) {
     for (int64_t j = 0; j < G * d; j += VL) vstoref(acc + j, vzero(), VL);

@@ -134,7 +134,7 @@ def _make_readable(directory: Path) -> None:
     as the umask lets it."""
     directory.chmod(umask_mode(executable=True))
     for entry in directory.iterdir():
-        entry.chmod(umask_mode())
+        entry.chmod(umask_mode(executable=entry.is_dir()))
 
 
 def _remove_stale_tmp_dirs(root: Path, key: str) -> None:

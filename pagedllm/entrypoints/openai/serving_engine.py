@@ -113,7 +113,7 @@ def vocab_size(model_config: Any, tokenizer: Any) -> int:
                  _length(tokenizer), getattr(tokenizer, "vocab_size", None)):
         if isinstance(size, int) and size > 0:
             return size
-    raise ValueError("cannot tell the vocabulary size: the model config has no vocab_size, and the tokenizer "
+    raise ValueError("cannot tell the vocabulary size: the model config has no valid vocab_size, and the tokenizer "
                      "neither a length nor a vocab_size")
 
 

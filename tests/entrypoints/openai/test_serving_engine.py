@@ -49,6 +49,9 @@ def test_vocab_size_from_the_model_then_the_tokenizer():
     model = SimpleNamespace(text_config=SimpleNamespace(vocab_size=262144))
     assert vocab_size(model, _Vocab(["a"])) == 262144  # the model's, whatever the tokenizer says
     assert vocab_size(SimpleNamespace(), _Vocab(["a", "b", "c"])) == 3  # added tokens count
+    with_added = _Vocab(["a", "b", "c", "<added>", "<added2>"])
+    with_added.vocab_size = 3  # the base vocabulary, without the added tokens
+    assert vocab_size(SimpleNamespace(), with_added) == 5
     assert vocab_size(SimpleNamespace(text_config=SimpleNamespace(vocab_size=None)), Sized()) == 7
     opaque_sized = type("OpaqueSized", (Opaque,), {"vocab_size": 5})()
     assert vocab_size(SimpleNamespace(), opaque_sized) == 5

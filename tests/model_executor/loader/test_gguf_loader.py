@@ -201,6 +201,7 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     assert not Path(out).exists() and [p.name for p in (cache / "gguf").iterdir()] == [Path(newer).name]
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="the umask is read from /proc")
 def test_conversion_modes_follow_the_umask(tmp_path: Path) -> None:
     """mkdtemp and safetensors make owner-only entries; the finished conversion gets what the
     umask gives a plain mkdir / open, like the other caches (readable to a shared cache's users
