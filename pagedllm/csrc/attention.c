@@ -105,8 +105,8 @@ void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int6
         int64_t G = group < MAX_GROUP ? group : MAX_GROUP;
         /* each key's element offset in the caches, resolved through the block table once */
         int64_t *off = malloc((size_t)n * sizeof(int64_t));
-        float *p = malloc((size_t)(G * n) * sizeof(float));
-        float *acc = aligned_alloc(64, (size_t)(G * d) * sizeof(float));  /* d % 32 == 0: whole lines */
+        /* scores [G, n], then the weighted sums [G, d]: one allocation per task */
+        float *p = malloc((size_t)(G * (n + d)) * sizeof(float)), *acc = p + G * n;
         for (int64_t t = lo, i = 0; t < len; t++, i++) off[i] = ((table[t / block_size] * block_size + t % block_size) * hk + h) * d;
         for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
             int64_t gg = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
@@ -116,7 +116,6 @@ void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int6
             softmax_rows(p, gg, n);
             weighted_values(v_cache, bf16, off, n, p, gg, d, acc, (char *)out + head * d * esize);
         }
-        free(acc);
         free(p);
         free(off);
     }

@@ -132,9 +132,10 @@ def _make_readable(directory: Path) -> None:
     """mkdtemp (and safetensors) create owner-only entries: the conversion gets the modes the
     umask gives, as the kernel and quantization caches do, so a shared cache is readable as far
     as the umask lets it."""
-    directory.chmod(umask_mode(executable=True))
+    dir_mode, file_mode = umask_mode(executable=True), umask_mode()
+    directory.chmod(dir_mode)
     for entry in directory.iterdir():
-        entry.chmod(umask_mode(executable=entry.is_dir()))
+        entry.chmod(dir_mode if entry.is_dir() else file_mode)
 
 
 def _remove_stale_tmp_dirs(root: Path, key: str) -> None:
