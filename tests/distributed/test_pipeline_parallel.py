@@ -43,7 +43,7 @@ def test_pp2_greedy_tokens_equal_one_rank(arch, tmp_path):
         two.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # one KV head shared by two ranks; local/global layers
 def test_tp2_times_pp2_and_a_layer_partition(arch, tmp_path, monkeypatch):
     path = make_tiny_model(str(tmp_path), arch, **MODELS[arch])
     expected = _tokens(_llm(path))

@@ -1,6 +1,6 @@
 """`pagedllm serve` with a distributed layout, driven by the openai SDK: -dp 2 spreads concurrent
 requests over two engine cores (each labelled in /metrics), and -pp 2 serves through two pipeline
-stages; both answer as one rank does."""
+stages; both answer as one rank does (the offline engine, in this process, gives the reference)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
 
 PROMPTS = ["Hello, my name is", "The sky is", "One two three", "Paris is"]
@@ -23,13 +24,11 @@ async def _complete_all(url: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, tmp_path_factory) -> list[str]:
-    serving = _serve(tiny_llama, tmp_path_factory)
-    url = next(serving)
-    try:
-        return asyncio.run(_complete_all(url))
-    finally:
-        next(serving, None)
+def reference(tiny_llama) -> list[str]:
+    """What one rank answers: the served flags' dtype and length, greedy, the same 8 tokens."""
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("layout", [("--data-parallel-size", "2"), ("--pipeline-parallel-size", "2")])
