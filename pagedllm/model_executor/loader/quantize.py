@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import cpu_isa
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
 from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.layers.quantization import (
@@ -47,8 +48,13 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     weights streamed from memory as in a forward pass (benchmarks/bench_linear_kernels.py).
     Against oneDNN's packed bf16 GEMM (AVX-512 bf16): 4. Against float32 (CPUs without native
     bf16, or a float32 model), twice the bytes: 32 (18 layers at 32 rows on an AVX2 EPYC: 48 ms
-    vs 68)."""
-    return 4 if dtype == torch.bfloat16 and onednn_has_bf16() else 32
+    vs 68), and 128 where the kernels run their AVX2 build, whose float32 GEMM is slower still:
+    the default model's batch-64 decode step took 405 ms against 433 with the 32-row limit,
+    batch 128 731 against 755 (the two limits alternated in one process); 256 rows gained
+    nothing."""
+    if dtype == torch.bfloat16 and onednn_has_bf16():
+        return 4
+    return 128 if getattr(cpu_kernels.kernels(), "pl_isa", None) == "avx2" else 32
 
 
 def head_int4_max_rows() -> int:

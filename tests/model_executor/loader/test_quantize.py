@@ -86,3 +86,20 @@ def test_bf16_quantized_engine_generates(tiny_gemma3):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert all(math.isfinite(v) for lps in _prompt_logprobs(llm, PROMPTS) for v in lps)
+
+
+@pytest.mark.parametrize("isa, native_bf16, dtype, rows", [
+    ("avx2", False, torch.float32, 128),  # the AVX2 build against the float32 GEMM
+    ("avx512", False, torch.float32, 32),
+    ("generic", False, torch.float32, 32),
+    (None, False, torch.float32, 32),  # no C kernels: torch's int8 matmul
+    ("avx512", True, torch.bfloat16, 4),  # against oneDNN's bf16 GEMM
+    ("avx512", True, torch.float32, 32),
+])
+def test_decoder_int8_row_limit_follows_the_kernels_build(monkeypatch, isa, native_bf16, dtype, rows):
+    from pagedllm.model_executor.loader import quantize
+
+    lib = None if isa is None else argparse.Namespace(pl_isa=isa)
+    monkeypatch.setattr(quantize.cpu_kernels, "kernels", lambda: lib)
+    monkeypatch.setattr(quantize, "onednn_has_bf16", lambda: native_bf16)
+    assert quantize.linear_max_rows(dtype) == rows
