@@ -47,11 +47,10 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which a decoder linear runs the int8 kernel rather than its float weight, with
     weights streamed from memory as in a forward pass (benchmarks/bench_linear_kernels.py).
     Against oneDNN's packed bf16 GEMM (AVX-512 bf16): 4. Against float32 (CPUs without native
-    bf16, or a float32 model), twice the bytes: 32 (18 layers at 32 rows on an AVX2 EPYC: 48 ms
-    vs 68), and 128 where the kernels run their AVX2 build, whose float32 GEMM is slower still:
-    the default model's batch-64 decode step took 405 ms against 433 with the 32-row limit,
-    batch 128 731 against 755 (the two limits alternated in one process); 256 rows gained
-    nothing."""
+    bf16, or a float32 model), twice the bytes: 128 on the AVX2 build, where oneDNN's float32
+    GEMM is slower still: the default model's batch-64 decode step took 405 ms against 433 with
+    a 32-row limit, batch 128 731 against 755 (the two limits alternated in one process); 256
+    rows gained nothing. 32 on the other builds, not measured at more rows."""
     if dtype == torch.bfloat16 and onednn_has_bf16():
         return 4
     return 128 if getattr(cpu_kernels.kernels(), "pl_isa", None) == "avx2" else 32

@@ -90,6 +90,7 @@ def test_bf16_quantized_engine_generates(tiny_gemma3):
 
 @pytest.mark.parametrize("isa, native_bf16, dtype, rows", [
     ("avx2", False, torch.float32, 128),  # the AVX2 build against the float32 GEMM
+    ("avx2", False, torch.bfloat16, 128),  # bf16 weights without native bf16: no fast GEMM either
     ("avx512", False, torch.float32, 32),
     ("generic", False, torch.float32, 32),
     (None, False, torch.float32, 32),  # no C kernels: torch's int8 matmul

@@ -1,7 +1,8 @@
 """Phi-3 (fused qkv / gate_up checkpoint tensors, partial rotary, LongRoPE, sliding window), Granite
 (its four multipliers), StarCoder2 (LayerNorm with bias, biased projections, GELU MLP, tied
 embeddings) and Mistral with a sliding window: greedy float32 output equals transformers', token for
-token, in test_models.py's scenarios, with logprobs; and the same tokens over two tensor-parallel ranks."""
+token, in test_models.py's scenarios, with logprobs; and, but for Granite, the same tokens over two
+tensor-parallel ranks."""
 
 from __future__ import annotations
 
