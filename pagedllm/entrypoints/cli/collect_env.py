@@ -121,10 +121,10 @@ def _kernels() -> str:
 
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return "off (PAGEDLLM_CPU_KERNELS=0): torch ops"
-    lib = cpu_kernels.kernels()
-    if lib is None:
+    isa = cpu_kernels.loaded_isa()
+    if isa is None:
         return f"not built (CPU ISA {cpu_isa.selected()}): torch ops; the log line above says why"
-    return f"{cpu_kernels.describe(lib.pl_isa)} path: {getattr(lib, '_name', '?')}"
+    return f"{cpu_kernels.describe(isa)} path: {getattr(cpu_kernels.kernels(), '_name', '?')}"
 
 
 def _cuda() -> str:

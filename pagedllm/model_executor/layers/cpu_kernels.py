@@ -235,6 +235,13 @@ def kernels() -> ctypes.CDLL | None:
     return _lib  # type: ignore[return-value]
 
 
+def loaded_isa() -> str | None:
+    """The level `kernels()` runs ("avx512", "avx2", "generic"), building it on first call;
+    None where the engine runs torch ops instead."""
+    lib = kernels()
+    return None if lib is None else lib.pl_isa
+
+
 _BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}
 
 

@@ -47,11 +47,10 @@ def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: lis
     files = sorted(p for p in Path(model_path).iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     if not files:
         return None
-    lib = cpu_kernels.kernels()
     parts = [
         __version__, *(p.read_text() for p in _CODE), str(Path(model_path).resolve()),
         *(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files),
-        mode, str(dtype), getattr(lib, "pl_isa", "torch"), str(qz.DynamicInt8Quant.weight_qmax()), shard,
+        mode, str(dtype), cpu_kernels.loaded_isa() or "torch", str(qz.DynamicInt8Quant.weight_qmax()), shard,
         *module_names,
     ]
     return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"

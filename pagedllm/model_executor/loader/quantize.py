@@ -53,7 +53,7 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     rows gained nothing. 32 on the other builds, not measured at more rows."""
     if dtype == torch.bfloat16 and onednn_has_bf16():
         return 4
-    return 128 if getattr(cpu_kernels.kernels(), "pl_isa", None) == "avx2" else 32
+    return 128 if cpu_kernels.loaded_isa() == "avx2" else 32
 
 
 def head_int4_max_rows() -> int:
@@ -109,12 +109,14 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
 def _describe(quant: WeightOnlyQuant, tensors: dict[str, torch.Tensor], name: str) -> dict:
     tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = quant.qweight, quant.scales
     return {"method": quant.method, "in_features": quant.in_features, "group_size": quant.group_size,
-            "max_rows": quant.max_rows, "layout": quant.layout}
+            "layout": quant.layout}
 
 
-def _rebuild(tensors: dict[str, torch.Tensor], name: str, info: dict) -> WeightOnlyQuant:
+def _rebuild(tensors: dict[str, torch.Tensor], name: str, info: dict, max_rows: int) -> WeightOnlyQuant:
+    """The row limit is not cached: it is this process's choice (`linear_max_rows`,
+    `head_int4_max_rows`), which may differ from the writer's (e.g. `PAGEDLLM_CPU_ISA`)."""
     return WeightOnlyQuant(info["method"], tensors[f"{name}.qweight"], tensors[f"{name}.scales"], info["in_features"],
-                           info["group_size"], info["max_rows"], info["layout"])
+                           info["group_size"], max_rows, info["layout"])
 
 
 def _restore(modules: list[tuple[str, nn.Module]], mode: str, tensors: dict[str, torch.Tensor],
@@ -126,7 +128,7 @@ def _restore(modules: list[tuple[str, nn.Module]], mode: str, tensors: dict[str,
     for name, module in modules:
         info = meta[name]
         if isinstance(module, Linear):
-            quant = _rebuild(tensors, name, info)
+            quant = _rebuild(tensors, name, info, linear_max_rows(module.weight.dtype))
             if quant.method != "int8" or quant.out_features != module.weight.shape[0]:
                 raise ValueError(f"{name}: cached {quant.method} {tuple(quant.qweight.shape)}")
             k = module.weight.shape[1]
@@ -135,5 +137,5 @@ def _restore(modules: list[tuple[str, nn.Module]], mode: str, tensors: dict[str,
         else:
             dynamic = DynamicInt8Quant(None, (tensors[f"{name}.dynamic.qweight"], tensors[f"{name}.dynamic.scale"]))
             dynamic.int8_weight()  # not kept: the packed copy is what runs
-            few = info["few_rows"] and _rebuild(tensors, f"{name}.few_rows", info["few_rows"])
+            few = info["few_rows"] and _rebuild(tensors, f"{name}.few_rows", info["few_rows"], head_int4_max_rows())
             module.quant = QuantizedLMHead(dynamic, few or None, info["top_k"])

@@ -53,6 +53,21 @@ def test_second_start_reads_the_cache(model_dir, tmp_path, monkeypatch):
     assert _start(model_dir, monkeypatch)[1] > 0
 
 
+def test_row_limits_are_the_reading_process_s(model_dir, monkeypatch):
+    """The cache holds weights, not the row limits: those follow the process that reads it
+    (another `PAGEDLLM_CPU_ISA` shares the file but not the limits)."""
+    from pagedllm.model_executor.layers.linear import Linear
+
+    _start(model_dir, monkeypatch)
+    monkeypatch.setattr(quantize, "linear_max_rows", lambda dtype: 7)
+    monkeypatch.setattr(quantize, "head_int4_max_rows", lambda: 3)
+    llm = LLM(model_dir, dtype="float32", quantization="int4", kv_cache_memory=1 << 24)
+    model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
+    linears = [m.quant for m in model.modules() if isinstance(m, Linear)]
+    assert linears and {q.max_rows for q in linears} == {7}
+    assert model.lm_head.quant.few_rows.max_rows == 3
+
+
 def test_turned_off(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_QUANT_CACHE", "0")
     _start(model_dir, monkeypatch)
