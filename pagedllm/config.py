@@ -129,6 +129,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
+    # A request computes at most this many tokens a step (0: no cap beyond the budget), so a
+    # long prompt's chunks stay small beside running decodes (vLLM's name)
+    long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # or "priority"
     max_n: int = 128  # most samples (n, best_of) one request may ask for
 

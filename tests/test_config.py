@@ -55,6 +55,16 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
         _config(tiny_llama, {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
 
 
+def test_long_prefill_token_threshold(tiny_llama):
+    config = EngineArgs(model=tiny_llama, long_prefill_token_threshold=32).create_engine_config()
+    assert config.scheduler_config.long_prefill_token_threshold == 32
+    with pytest.raises(ValueError, match="must be >= 0"):
+        EngineArgs(model=tiny_llama, long_prefill_token_threshold=-1).create_engine_config()
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        EngineArgs(model=tiny_llama, long_prefill_token_threshold=32,
+                   enable_chunked_prefill=False).create_engine_config()
+
+
 # ---- quantization ---------------------------------------------------------------------------------------------
 
 def test_unknown_quantization_method_is_a_value_error(tiny_gemma3):

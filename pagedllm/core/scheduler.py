@@ -153,6 +153,12 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # FCFS: the newest running request
 
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """Tokens a request computes this step: what it has left, within the step's budget and
+        `long_prefill_token_threshold` (0: no such cap)."""
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_new, budget, threshold) if threshold > 0 else min(num_new, budget)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -165,7 +171,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(num_scheduled) < per_step:
             request = self.running[i]
             # Draft tokens are scheduled like any other: verified in this forward pass.
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -243,7 +249,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(num_new, budget)
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
                 if not holds_released and self._release_prompt_holds():
@@ -353,7 +359,7 @@ class Scheduler:
         num_new = request.num_tokens - num_forked
         if not self.config.enable_chunked_prefill and num_new > budget:
             return None
-        num_new = min(num_new, budget)
+        num_new = self._chunk(num_new, budget)
         lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_forked + num_new)
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, blocks[:num_full], num_forked, lookahead)
         if new_blocks is None:

@@ -74,6 +74,9 @@ class EngineArgs:
     # max_num_seqs still run, in waves. 128 is OpenAI's limit on n.
     max_n: int = 128
     enable_chunked_prefill: bool = True
+    # Most tokens one request computes in a step (0: the budget's limit only): a long prompt's
+    # chunks stay this small, so running decodes are not held up behind it
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     trust_remote_code: bool = False
     quantization: str | None = None
@@ -189,6 +192,10 @@ class EngineArgs:
             max_batched = 8192 if chunked_prefill else max(8192, max_model_len)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold chunks long prompts: it needs chunked prefill enabled")
         if not chunked_prefill and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
@@ -224,6 +231,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold if chunked_prefill else 0,
                 policy=self.scheduling_policy,
                 max_n=self.max_n,
             ),

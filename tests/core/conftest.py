@@ -33,6 +33,7 @@ def make_scheduler(
     max_model_len: int = 128,
     policy: str = "fcfs",
     prefix_caching: bool = True,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -40,6 +41,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=True,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             policy=policy,
         ),
         CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),

@@ -67,6 +67,25 @@ def test_decode_and_prefill_chunk_share_a_step():
     d.run()
 
 
+def test_long_prefill_token_threshold_caps_each_request_s_chunk():
+    """Two prompts arrive beside a decode: each computes at most 5 tokens a step (not the
+    budget's 64), so the decode shares every step with small chunks; the last chunk is the rest."""
+    sched = make_scheduler(long_prefill_token_threshold=5)
+    a = make_req("a", 3, max_tokens=8)
+    sched.add_request(a)
+    d = Driver(sched)
+    d.step()
+    sched.add_request(make_req("b", 12, max_tokens=2))
+    sched.add_request(make_req("c", 4, max_tokens=2))
+    for _ in range(3):
+        d.step()
+    assert [d.scheduled(i) for i in (1, 2, 3)] == [
+        {"a": 1, "b": 5, "c": 4}, {"a": 1, "b": 5, "c": 1}, {"a": 1, "b": 2}]
+    d.run()
+    assert len(d.finished) == 3 and max(o.total_num_scheduled_tokens for o in d.outputs) <= 11
+    assert_all_blocks_free(sched)
+
+
 def test_max_num_seqs_respected():
     sched = make_scheduler(max_num_seqs=2)
     reqs = [make_req(f"r{i}", 5, max_tokens=3) for i in range(4)]

@@ -46,9 +46,10 @@ def test_serve_config_fills_namespace_engine_args_and_server_config(tmp_path):
 def test_command_line_overrides_the_file(tmp_path):
     # The positional model after a list from the file is not swallowed by it.
     args = _parse(tmp_path, SERVE_YAML, "serve", "/models/cli", "--max-model-len", "64", "--enable-prefix-caching",
-                  "--served-model-name", "c", "--port", "1")
+                  "--served-model-name", "c", "--port", "1", "--long-prefill-token-threshold", "16")
     ea = engine_args_from_namespace(args)
     assert (ea.model, ea.max_model_len, ea.enable_prefix_caching) == ("/models/cli", 64, True)
+    assert ea.long_prefill_token_threshold == 16
     assert args.served_model_name == ["c"] and args.port == 1
     assert ea.kv_cache_memory == 16 << 20  # not on the command line: from the file
     # --config=PATH, and flags before it

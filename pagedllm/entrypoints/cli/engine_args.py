@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         default=d.enable_prefix_caching)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=d.enable_chunked_prefill)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+                        help="most tokens one request computes per step (0: no cap): smaller chunks of a long "
+                             "prompt keep running decodes' inter-token latency down")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-n", type=int, default=d.max_n,

@@ -133,7 +133,17 @@ def test_single_decode_reads_exactly_its_keys(window, seq_len):
 @pytest.mark.parametrize("window", [None, 6])
 def test_mixed_batch_of_decodes_and_prefills_with_context(window, decode_calls):
     _run([12, 20, 5, 9, 14], [1, 7, 5, 1, 3], window)
-    decode_calls(1)
+    decode_calls(1 + 2)  # the decodes; each chunk with context runs its rows as decodes
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_with_context_run_as_decodes_longer_ones_through_sdpa(window, dtype, decode_calls):
+    """Up to KERNEL_CHUNK_ROWS rows (16 and 2 here) in the kernel; 17 rows, and a chunk
+    without context, through SDPA: every row against the keys up to its own position."""
+    rows = attention_module.KERNEL_CHUNK_ROWS
+    _run([40, 33, 21, 9], [rows, rows + 1, 2, 9], window, dtype)
+    decode_calls(2)
 
 
 def test_sliding_window_reads_only_the_blocks_in_the_window():
