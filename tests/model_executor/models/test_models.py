@@ -22,8 +22,9 @@ PROMPTS = [
 
 SCENARIOS = {
     "plain": dict(kv_cache_memory=1 << 24),
-    # A budget smaller than most prompts: prefills are split and mixed with decodes.
-    "chunked": dict(kv_cache_memory=1 << 24, max_num_batched_tokens=6),
+    # A budget smaller than most prompts, and chunks of at most 5 tokens a request: prefills are
+    # split and mixed with decodes.
+    "chunked": dict(kv_cache_memory=1 << 24, max_num_batched_tokens=8, long_prefill_token_threshold=5),
     # 9 blocks of 16 for six requests that need ~18: requests are preempted and recomputed.
     "preemption": dict(num_gpu_blocks_override=9, max_model_len=128, max_num_batched_tokens=32),
     "no_prefix_cache": dict(kv_cache_memory=1 << 24, enable_prefix_caching=False),
