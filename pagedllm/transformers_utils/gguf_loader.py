@@ -24,6 +24,7 @@ import numpy as np
 
 from pagedllm.cache_files import umask_mode
 from pagedllm.envs import cache_root
+from pagedllm.transformers_utils.forked_call import ForkedCall, fork_available
 from pagedllm.transformers_utils.gguf_archs import (
     EXPERTS,
     HF_ARCHITECTURES,
@@ -170,18 +171,28 @@ def _convert_into(src: str, out: Path) -> None:
     # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
     link = out / "_source.gguf"
     os.symlink(src, link)
+    weights = None
     try:
         with shared_gguf_reader(reader, src):  # transformers' helpers reopen it by path
             config = _build_config(str(link), reader, arch)
             config.save_pretrained(out)
+            if fork_available():  # the weights on the other core while the tokenizer is built
+                weights = ForkedCall(lambda: _write_weights(reader, arch, config, out / "model.safetensors"),
+                                     "GGUF weights conversion")
             tokenizer = _build_tokenizer(out, link.name, config.model_type)
             tokenizer.save_pretrained(out)
         _name_generic_tokenizer_class(out, tokenizer)
+        _build_generation_config(config, tokenizer).save_pretrained(out)
+        del tokenizer  # a 262k vocab is a few hundred MB; free it before dequantizing
+        if weights is None:
+            _write_weights(reader, arch, config, out / "model.safetensors")
+        else:
+            weights.join()
+            weights = None
     finally:
-        link.unlink()
-    _build_generation_config(config, tokenizer).save_pretrained(out)
-    del tokenizer  # a 262k vocab is a few hundred MB; free it before dequantizing
-    _write_weights(reader, arch, config, out / "model.safetensors")
+        link.unlink(missing_ok=True)
+        if weights is not None:  # failed beside it: stop writing into a directory that goes
+            weights.kill()
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     types = sorted({t.tensor_type.name for t in reader.tensors})
     meta = {"source": src, "architecture": arch, "add_bos_token": add_bos, "tensor_types": types}
