@@ -171,28 +171,24 @@ def _convert_into(src: str, out: Path) -> None:
     # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
     link = out / "_source.gguf"
     os.symlink(src, link)
-    weights = None
+    tokenizer_files = None
     try:
         with shared_gguf_reader(reader, src):  # transformers' helpers reopen it by path
             config = _build_config(str(link), reader, arch)
             config.save_pretrained(out)
-            if fork_available():  # the weights on the other core while the tokenizer is built
-                weights = ForkedCall(lambda: _write_weights(reader, arch, config, out / "model.safetensors"),
-                                     "GGUF weights conversion")
-            tokenizer = _build_tokenizer(out, link.name, config.model_type)
-            tokenizer.save_pretrained(out)
-        _name_generic_tokenizer_class(out, tokenizer)
-        _build_generation_config(config, tokenizer).save_pretrained(out)
-        del tokenizer  # a 262k vocab is a few hundred MB; free it before dequantizing
-        if weights is None:
-            _write_weights(reader, arch, config, out / "model.safetensors")
-        else:
-            weights.join()
-            weights = None
+            if fork_available():  # the tokenizer on the other core while the weights are written here
+                tokenizer_files = ForkedCall(lambda: _write_tokenizer_files(out, link.name, config),
+                                             "GGUF tokenizer conversion")
+            else:
+                _write_tokenizer_files(out, link.name, config)
+        _write_weights(reader, arch, config, out / "model.safetensors")
+        if tokenizer_files is not None:
+            tokenizer_files.join()
+            tokenizer_files = None
     finally:
-        link.unlink(missing_ok=True)
-        if weights is not None:  # failed beside it: stop writing into a directory that goes
-            weights.kill()
+        if tokenizer_files is not None:  # the weights failed: stop it writing into a directory that goes
+            tokenizer_files.kill()
+        link.unlink()
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     types = sorted({t.tensor_type.name for t in reader.tensors})
     meta = {"source": src, "architecture": arch, "add_bos_token": add_bos, "tensor_types": types}
@@ -222,6 +218,14 @@ def _build_config(link: str, reader: Any, arch: str) -> Any:
         if value is not None:
             setattr(config, attr, int(value))
     return config
+
+
+def _write_tokenizer_files(out: Path, filename: str, config: Any) -> None:
+    """The tokenizer files and generation_config.json (its EOS ids come from the vocabulary)."""
+    tokenizer = _build_tokenizer(out, filename, config.model_type)
+    tokenizer.save_pretrained(out)
+    _name_generic_tokenizer_class(out, tokenizer)
+    _build_generation_config(config, tokenizer).save_pretrained(out)
 
 
 def _build_tokenizer(dirname: Path, filename: str, model_type: str) -> Any:

@@ -258,21 +258,25 @@ def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
     assert not any((tmp_path / "cache" / "gguf").iterdir())
 
 
-@pytest.mark.parametrize("forked", [True, False])
-def test_a_failed_weights_conversion_is_its_error_and_leaves_nothing(tmp_path: Path, monkeypatch, forked) -> None:
-    """The weights are written in a forked child beside the tokenizer's build (Linux), or in
-    line: either way their error reaches the caller and no partial cache entry stays."""
+@pytest.mark.parametrize("forked, part, error", [
+    (True, "_build_tokenizer", RuntimeError),  # in the forked child: its error, with its traceback
+    (False, "_build_tokenizer", ValueError),
+    (True, "fix_up", ValueError),  # the weights, here, while the child builds the tokenizer
+])
+def test_a_failed_conversion_is_its_error_and_leaves_nothing(tmp_path: Path, monkeypatch, forked, part, error) -> None:
+    """The tokenizer is built in a forked child beside the weights' conversion (Linux), or in
+    line: a failure in either reaches the caller, and no partial cache entry stays."""
     from pagedllm.transformers_utils import gguf_loader
 
     src = tmp_path / "tiny.gguf"
     _write_tiny_gguf(src, "qwen3")
 
     def broken(*args, **kwargs):
-        raise ValueError("this tensor cannot be fixed up")
+        raise ValueError("this part cannot be converted")
 
-    monkeypatch.setattr(gguf_loader, "fix_up", broken)
+    monkeypatch.setattr(gguf_loader, part, broken)
     monkeypatch.setattr(gguf_loader, "fork_available", lambda: forked)
-    with pytest.raises(RuntimeError if forked else ValueError, match="this tensor cannot be fixed up"):
+    with pytest.raises(error, match="this part cannot be converted"):
         convert_gguf(str(src), cache_dir=str(tmp_path / "cache"))
     assert not any((tmp_path / "cache" / "gguf").iterdir())
 
