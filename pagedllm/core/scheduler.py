@@ -153,11 +153,12 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # FCFS: the newest running request
 
-    def _chunk(self, num_new: int, budget: int) -> int:
-        """Tokens a request computes this step: what it has left, within the step's budget and
-        `long_prefill_token_threshold` (0: no such cap)."""
+    def _chunk(self, num_new: int, budget: int, prefill: bool = True) -> int:
+        """Tokens a request computes this step: what it has left, within the step's budget and,
+        while its prompt is being computed, `long_prefill_token_threshold` (0: no such cap; a
+        decode with draft tokens to verify is never cut short by it)."""
         threshold = self.config.long_prefill_token_threshold
-        return min(num_new, budget, threshold) if threshold > 0 else min(num_new, budget)
+        return min(num_new, budget, threshold) if prefill and threshold > 0 else min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -171,7 +172,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(num_scheduled) < per_step:
             request = self.running[i]
             # Draft tokens are scheduled like any other: verified in this forward pass.
-            num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget,
+                                  prefill=request.num_computed_tokens < request.num_prompt_tokens)
             if num_new <= 0:
                 i += 1
                 continue

@@ -36,7 +36,7 @@ def resolve_default_model() -> str:
     try:
         if stamp.read_text() == _stamp_text(path, expected):
             return str(path)
-    except OSError:  # no stamp, or no file
+    except (OSError, ValueError):  # no stamp, no file, or a stamp that is not text
         pass
     path = package.assemble()
     try:

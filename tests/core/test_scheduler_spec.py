@@ -11,7 +11,8 @@ from tests.core.conftest import BS, WorkerView, make_req
 
 def _scheduler(method: str = "ngram", k: int = 3, **kw) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=kw.get("budget", 64), max_model_len=64),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=kw.get("budget", 64), max_model_len=64,
+                        long_prefill_token_threshold=kw.get("threshold", 0)),
         CacheConfig(block_size=BS, num_blocks=kw.get("num_blocks", 32)),
         speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=k),
     )
@@ -79,6 +80,20 @@ def test_budget_cuts_the_drafts():
     (s,) = out.scheduled
     assert s.token_ids == [20, 1] and s.spec_token_ids == [1]
     assert req.output_token_ids == [20, 1, 9] and req.num_computed_tokens == 3
+
+
+def test_long_prefill_threshold_chunks_the_prompt_not_the_drafts():
+    """A threshold of 2 splits the 5-token prompt into 2 + 2 + 1, then the decode verifies all
+    of its 3 drafts in one step: the cap is for prompts only."""
+    sched = _scheduler(k=3, threshold=2)
+    req = make_req("a", [10, 11, 12, 13, 14], max_tokens=20)
+    sched.add_request(req)
+    sizes = [len(_step(sched, {})[0].scheduled[0].token_ids) for _ in range(2)]
+    out, _ = _step(sched, {"a": [20]}, {"a": [21, 22, 23]})
+    assert sizes + [len(out.scheduled[0].token_ids)] == [2, 2, 1]
+    out, _ = _step(sched, {"a": [21, 22, 23, 24]})
+    (s,) = out.scheduled
+    assert s.token_ids == [20, 21, 22, 23] and req.output_token_ids == [20, 21, 22, 23, 24]
 
 
 def test_draft_model_allocates_lookahead_slots_and_frees_everything():

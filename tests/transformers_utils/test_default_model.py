@@ -55,3 +55,9 @@ def test_a_cache_it_cannot_write_checks_every_time(package, monkeypatch):
     monkeypatch.setattr(default_model, "write_atomically", read_only)
     assert resolve_default_model() == resolve_default_model() == str(package.default_output_path())
     assert package.checks == 2
+
+
+def test_a_stamp_that_is_not_text_is_checked_again(package, tmp_path):
+    resolve_default_model()
+    (tmp_path / "cache" / "default_model.verified").write_bytes(b"\xff\xfe not utf-8")
+    assert resolve_default_model() == str(package.default_output_path()) and package.checks == 2

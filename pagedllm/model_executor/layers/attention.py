@@ -32,6 +32,9 @@ WINDOW_TILE_ROWS = 128
 # over a 512-4,000-token context (AVX2 EPYC), 1.7-2.4x faster at 8 rows, even to 1.6x at 16,
 # slower at 32 (its cost grows with the rows, SDPA's per-call cost does not).
 KERNEL_CHUNK_ROWS = 16
+# ... and at most this many keys per row (the kernel reads them once per row; SDPA once per
+# chunk): the contexts measured, whose K/V stay in the CPU's caches.
+KERNEL_CHUNK_MAX_KEYS = 4096
 
 
 class Attention(nn.Module):
@@ -125,7 +128,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if seg.context_len == 0:  # every key is new: read them as computed, not from the cache
             return self._causal(q, k, v, seg, k_cache.shape[1])
-        if seg.query_len <= KERNEL_CHUNK_ROWS and self._use_kernel(q):
+        keys = seg.context_len + seg.query_len
+        if self.sliding_window is not None:
+            keys = min(keys, self.sliding_window)
+        if seg.query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS and self._use_kernel(q):
             # Row i is a decode of a sequence of context_len + i + 1 tokens, its own K/V
             # already written: causal and windowed by its length, no mask.
             lens = torch.arange(seg.context_len + 1, seg.context_len + seg.query_len + 1)

@@ -114,7 +114,8 @@ def _describe(quant: WeightOnlyQuant, tensors: dict[str, torch.Tensor], name: st
 
 def _rebuild(tensors: dict[str, torch.Tensor], name: str, info: dict, max_rows: int) -> WeightOnlyQuant:
     """The row limit is not cached: it is this process's choice (`linear_max_rows`,
-    `head_int4_max_rows`), which may differ from the writer's (e.g. `PAGEDLLM_CPU_ISA`)."""
+    `head_int4_max_rows`), which follows measurements that may change while the weights do
+    not (the kernels' level is part of the cache key; oneDNN's native bf16 is not)."""
     return WeightOnlyQuant(info["method"], tensors[f"{name}.qweight"], tensors[f"{name}.scales"], info["in_features"],
                            info["group_size"], max_rows, info["layout"])
 

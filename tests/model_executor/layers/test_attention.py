@@ -146,6 +146,15 @@ def test_short_chunks_with_context_run_as_decodes_longer_ones_through_sdpa(windo
     decode_calls(2)
 
 
+def test_chunks_over_more_keys_than_the_kernel_limit_go_through_sdpa(monkeypatch, decode_calls):
+    """The kernel reads a row's keys once per row: past KERNEL_CHUNK_MAX_KEYS (30 here) a short
+    chunk takes SDPA; under a window only the window's keys count."""
+    monkeypatch.setattr(attention_module, "KERNEL_CHUNK_MAX_KEYS", 30)
+    _run([40, 30], [4, 4], None)  # 40 keys: SDPA; 30: the kernel
+    _run([40], [4], 6)  # 6 keys under the window: the kernel
+    decode_calls(2)
+
+
 def test_sliding_window_reads_only_the_blocks_in_the_window():
     md = _run([40, 37], [1, 1], window=6)
     view = decode_view(md, 6, BLOCK, torch.device("cpu"))

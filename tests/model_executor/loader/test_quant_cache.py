@@ -54,8 +54,7 @@ def test_second_start_reads_the_cache(model_dir, tmp_path, monkeypatch):
 
 
 def test_row_limits_are_the_reading_process_s(model_dir, monkeypatch):
-    """The cache holds weights, not the row limits: those follow the process that reads it
-    (another `PAGEDLLM_CPU_ISA` shares the file but not the limits)."""
+    """The cache holds weights, not the row limits: those follow the process that reads it."""
     from pagedllm.model_executor.layers.linear import Linear
 
     _start(model_dir, monkeypatch)
