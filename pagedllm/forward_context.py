@@ -22,8 +22,9 @@ class PrefillSegment:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     block_table: torch.Tensor  # [num_blocks] int64, enough blocks for context + query
-    # sliding window (None: full) → (block-table slice, number of keys, attention tiles); built by the
-    # first layer that needs it, shared by the others.
+    # sliding window (None: full) → (block-table slice, number of keys, attention tiles), and "rows"
+    # → (block tables, lengths) of its rows run as decodes; built by the first layer that needs
+    # them, shared by the others.
     views: dict = field(default_factory=dict)
 
 

@@ -132,10 +132,7 @@ class Attention(nn.Module):
         if self.sliding_window is not None:
             keys = min(keys, self.sliding_window)
         if seg.query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS and self._use_kernel(q):
-            # Row i is a decode of a sequence of context_len + i + 1 tokens, its own K/V
-            # already written: causal and windowed by its length, no mask.
-            lens = torch.arange(seg.context_len + 1, seg.context_len + seg.query_len + 1)
-            tables = seg.block_table[None].expand(seg.query_len, -1)
+            tables, lens = self._rows_as_decodes(seg)
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.sliding_window,
                                                       self.scale)
         table, num_keys, tiles = self._view(seg, k_cache.shape[1], q.device)
@@ -153,6 +150,17 @@ class Attention(nn.Module):
         if seg is None:
             return self._tiled(q, k, v, causal_tiles(0, n, 0, self.sliding_window, q.device))
         return self._tiled(q, k, v, self._view(seg, block_size, q.device)[2])
+
+    @staticmethod
+    def _rows_as_decodes(seg: PrefillSegment) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i as a decode of a sequence of context_len + i + 1 tokens (its own K/V already
+        written: causal and windowed by its length, no mask): the block table for every row and
+        the lengths, built by the first layer that asks."""
+        rows = seg.views.get("rows")
+        if rows is None:
+            lens = torch.arange(seg.context_len + 1, seg.context_len + seg.query_len + 1)
+            rows = seg.views["rows"] = (seg.block_table[None].expand(seg.query_len, -1), lens)
+        return rows
 
     def _view(self, seg: PrefillSegment, block_size: int, device: torch.device) -> tuple[torch.Tensor, int, list]:
         """`prefill_view` under this layer's window, built by the first layer that asks."""
