@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm import cpu_isa
 from pagedllm.logger import init_logging
+from pagedllm.transformers_utils import import_cache
 from pagedllm.version import __version__
 
 init_logging()
 cpu_isa.apply()  # before torch runs anything: it reads its CPU ISA caps once
+import_cache.install()  # before transformers loads: its import scan is read from disk
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs

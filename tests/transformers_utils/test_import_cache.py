@@ -1,0 +1,109 @@
+"""transformers' import-structure scan, cached on disk: a later process reads the saved structure
+instead of scanning, gets exactly what a scan gives, and scans again once a file below the
+folder changes, appears, or the saved file is damaged."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from pagedllm.transformers_utils import import_cache
+
+
+def test_round_trip_keeps_the_types():
+    structure = {
+        "albert": {frozenset(): {"configuration_albert": {"AlbertConfig"}},
+                   frozenset({"tokenizers", "torch"}): {"tokenization": {"A", "B"}}},
+        frozenset({"torch"}): {"modeling": set()},
+        "t": ("x", "y"),
+    }
+    text = json.dumps(import_cache.encode(structure))
+    assert import_cache.decode(json.loads(text)) == structure
+
+
+def _fake_scan(calls: list[str], holder: dict):
+    """Shaped like transformers' scan: lru_cache'd, and recursing through the module-level name
+    (here `holder["scan"]`), which the cache replaces."""
+
+    @functools.lru_cache
+    def scan(path: str):
+        calls.append(os.path.basename(path))
+        out: dict = {}
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if entry.is_dir():
+                out[entry.name] = holder["scan"](entry.path)
+            elif entry.name.endswith(".py") and entry.name != "__init__.py":
+                with open(entry.path) as f:
+                    out.setdefault(frozenset({"torch"}), {})[entry.name[:-3]] = set(f.read().split())
+        return out
+
+    return scan
+
+
+def _new_process_scan(calls: list[str]):
+    holder: dict = {}
+    holder["scan"] = import_cache._cached_scan(_fake_scan(calls, holder))
+    return holder["scan"]
+
+
+def test_a_later_process_reads_the_saved_structure(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "models"
+    (root / "albert").mkdir(parents=True)
+    (root / "albert" / "configuration_albert.py").write_text("AlbertConfig")
+    (root / "bert.py").write_text("BertModel BertConfig")
+    (root / "__init__.py").write_text("")
+    calls: list[str] = []
+    first = _new_process_scan(calls)(str(root / "__init__.py"))  # a file means its folder, as in transformers
+    assert calls == ["models", "albert"] and first["albert"]
+    assert len(list((tmp_path / "cache" / "transformers_imports").glob("*.json"))) == 1
+
+    calls.clear()
+    assert _new_process_scan(calls)(str(root)) == first and calls == []
+
+    (root / "albert" / "configuration_albert.py").write_text("AlbertConfig AlbertTextConfig")
+    changed = _new_process_scan(calls)(str(root))
+    assert calls == ["models", "albert"] and changed["albert"][frozenset({"torch"})]["configuration_albert"] == {
+        "AlbertConfig", "AlbertTextConfig"}
+
+    calls.clear()
+    (root / "gpt2").mkdir()
+    (root / "gpt2" / "modeling_gpt2.py").write_text("GPT2Model")
+    assert "gpt2" in _new_process_scan(calls)(str(root)) and calls
+
+    for saved in (tmp_path / "cache" / "transformers_imports").glob("*.json"):
+        saved.write_text("{not json")
+    calls.clear()
+    assert "gpt2" in _new_process_scan(calls)(str(root)) and calls
+
+
+def test_real_transformers_imports_from_the_saved_structure(tmp_path):
+    """Two fresh interpreters: the first saves the scan; the second never runs it, and what it
+    read equals a fresh scan of transformers' models folder."""
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    script = textwrap.dedent("""
+        import os, sys
+        import pagedllm  # installs the cache before transformers loads
+        from transformers import AutoConfig, PretrainedConfig
+        import transformers.utils.import_utils as iu
+        cached = iu.create_import_structure_from_path
+        assert cached._pagedllm_cached
+        scan = cached.__wrapped__
+        print(scan.cache_info().misses)
+        if sys.argv[1] == "check":
+            models = os.path.join(os.path.dirname(iu.__file__), "..", "models")
+            models = os.path.normpath(models)
+            assert cached(models) == scan(models)
+            assert AutoConfig.for_model("llama").model_type == "llama"
+    """)
+    runs = [subprocess.run([sys.executable, "-c", script, arg], env=env, capture_output=True, text=True, timeout=300)
+            for arg in ("save", "check")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert int(runs[0].stdout.split()[0]) > 100  # the first process scanned the ~1,100 folders
+    assert int(runs[1].stdout.split()[0]) == 0  # the second read them
+    assert list((tmp_path / "cache" / "transformers_imports").glob("*.json"))
