@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -122,6 +123,17 @@ class CheckpointTensor:
             target.copy_(self.narrow(dim, start, length))
             return
         self._read(start * inner, target.numel(), out=target)
+
+    def mapped(self) -> torch.Tensor:
+        """The tensor as a private (copy-on-write) memory map of the file: nothing is read until
+        a page is touched, and the pages stay shared with the page cache (and with every other
+        process mapping the file) until one is written. Kept alive by the tensor."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        nbytes = self.shape.numel() * itemsize
+        start = self._offset - self._offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._raw.fileno(), self._offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
+        return torch.frombuffer(mapping, dtype=self.dtype, count=self.shape.numel(),
+                                offset=self._offset - start).view(self.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         dim %= len(self.shape)

@@ -88,3 +88,20 @@ def test_copy_to_reads_straight_into_the_target(tmp_path):
 
         with pytest.raises(IndexError, match=r"\[4, 7\) along dim 0"):
             lazy.copy_to(torch.empty(3, 8), 0, 4)
+
+
+def test_mapped_rows_are_private_to_the_process(tmp_path):
+    """`mapped()` gives the stored values without reading them, at any offset in the file (the
+    mapping starts on a page boundary before it); writing to the tensor leaves the file as it was."""
+    path = tmp_path / "model.safetensors"
+    first = torch.arange(7, dtype=torch.float32)  # puts the next tensor off a page boundary
+    table = torch.randn(300, 24)
+    save_file({"a": first, "table": table}, str(path))
+    before = path.read_bytes()
+    tensors = {}
+    for name, lazy in iterate_checkpoint(str(tmp_path)):
+        tensors[name] = lazy.rows(10, 200).mapped() if name == "table" else lazy.mapped()
+    assert torch.equal(tensors["a"], first) and torch.equal(tensors["table"], table[10:210])
+    tensors["table"].fill_(3.0)  # copy-on-write: this process's pages only
+    assert path.read_bytes() == before
+    assert torch.equal(next(t for n, t in iterate_checkpoint(str(tmp_path)) if n == "table").load(), table)

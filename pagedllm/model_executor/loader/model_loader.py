@@ -7,6 +7,7 @@ import ctypes.util
 import inspect
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,22 +33,21 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.text_config, **kwargs)
     finally:
         torch.set_default_dtype(prev_dtype)
+    restored = False
+    cache = _quant_cache_file(model, model_config)
+    if cache is not None:  # the linears' float weights come with their quantized copies, unread
+        from pagedllm.model_executor.loader.quantize import restore_quantized
+
+        restored = restore_quantized(model, model_config.quantization, cache)
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
         model.load_weights(iterate_weights(model_config.model_path, model_config.load_format))
-    if model_config.quantization:
-        from pagedllm.distributed import get_tp_group
-        from pagedllm.model_executor.loader import quant_cache
+    for param in model.parameters():
+        param.__dict__.pop("preloaded", None)
+    if model_config.quantization and not restored:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
-        cache = None
-        if model_config.load_format != "dummy":
-            tp = get_tp_group()
-            shard = f"{model_config.load_format} tp {tp.rank_in_group}/{tp.world_size}"
-            names = [name for name, _ in model.named_modules()]
-            cache = quant_cache.cache_file(model_config.model_path, model_config.quantization, model_config.dtype,
-                                           names, shard)
         quantize_model(model, model_config.quantization, cache)
     pack_model(model)
     _release_freed_memory()
@@ -55,6 +55,19 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                 model_config.model_path, str(model_config.dtype).removeprefix("torch."),
                 model_config.quantization or "none", time.perf_counter() - start)
     return model.eval().requires_grad_(False)
+
+
+def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | None:
+    """Where this rank's quantized weights are cached; None without quantization or weights."""
+    if not model_config.quantization or model_config.load_format == "dummy":
+        return None
+    from pagedllm.distributed import get_tp_group
+    from pagedllm.model_executor.loader import quant_cache
+
+    tp = get_tp_group()
+    shard = f"{model_config.load_format} tp {tp.rank_in_group}/{tp.world_size}"
+    names = [name for name, _ in model.named_modules()]
+    return quant_cache.cache_file(model_config.model_path, model_config.quantization, model_config.dtype, names, shard)
 
 
 @torch.no_grad()

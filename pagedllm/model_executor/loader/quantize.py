@@ -64,23 +64,40 @@ def head_int4_max_rows() -> int:
 
 
 @torch.no_grad()
+def restore_quantized(model: nn.Module, mode: str, cache: Path) -> bool:
+    """Attach the quantized copies `quantize_model` saved in `cache`, before the checkpoint is
+    read: each linear's float weight gets its dequantized values here and is marked `preloaded`,
+    so loading skips its checkpoint tensor. False (and nothing changed) where the cache is
+    missing or does not fit; the caller then loads everything and quantizes."""
+    if not cache.exists():
+        return False
+    modules = _quantizable(model)
+    try:
+        tensors, meta = quant_cache.load(cache)
+        _restore(modules, mode, tensors, meta)
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with a cache file, quantizing again fixes it
+        logger.warning("ignoring the quantization cache %s: %s", cache, e)
+        for _, module in modules:
+            module.quant = None
+        return False
+    for _, module in modules:
+        if isinstance(module, Linear):
+            module.weight.preloaded = True
+    logger.info("Quantized weights (%s) read from %s", mode, cache)
+    return True
+
+
+@torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> None:
-    """Attach quantized copies to every `Linear` and `LMHead` of `model`, in place; read from
-    `cache` (quant_cache.py) when it holds them, written to it when it does not.
+    """Attach quantized copies to every `Linear` and `LMHead` of the loaded `model`, in place,
+    and save them to `cache` (quant_cache.py) when given.
 
     A linear's float weight is overwritten with its dequantized values: the float path (many
     rows) and the kernel (few rows) then compute the same model. The head keeps its float
     weight as it is (for a tied head that is the embedding, which must not change), since
     it is the reference the top candidates are recomputed from.
     """
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (Linear, LMHead))]
-    if cache is not None and cache.exists():
-        try:
-            _restore(modules, mode, *quant_cache.load(cache))
-            logger.info("Quantized weights (%s) read from %s", mode, cache)
-            return
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with a cache file, quantizing again fixes it
-            logger.warning("ignoring the quantization cache %s: %s", cache, e)
+    modules = _quantizable(model)
     linear_format, head_format, top_k = FORMATS[mode]
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, dict] = {}
@@ -104,6 +121,10 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
             logger.warning("could not write the quantization cache %s: %s", cache, e)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     logger.debug("quantized (%s): %.0f MB of quantized weights", mode, nbytes / 1e6)
+
+
+def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Linear, LMHead))]
 
 
 def _describe(quant: WeightOnlyQuant, tensors: dict[str, torch.Tensor], name: str) -> dict:

@@ -112,7 +112,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(pname)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor, *args)
+        if not getattr(param, "preloaded", False):  # filled already (the quantization cache): not read
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, *args)
         loaded.add(pname)
     missing = set(params) - loaded
     if missing:

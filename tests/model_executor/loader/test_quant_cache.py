@@ -53,6 +53,21 @@ def test_second_start_reads_the_cache(model_dir, tmp_path, monkeypatch):
     assert _start(model_dir, monkeypatch)[1] > 0
 
 
+def test_cached_linears_are_not_read_from_the_checkpoint(model_dir, monkeypatch):
+    """On a cache hit the linears' float weights come from their cached int8 values, so their
+    checkpoint tensors are never read; the other weights (embedding, norms) still are."""
+    from pagedllm.model_executor.layers import linear
+
+    first, _ = _start(model_dir, monkeypatch)
+    sliced = []
+    real = linear.load_slice
+    monkeypatch.setattr(linear, "load_slice", lambda *a, **k: sliced.append(a[-1]) or real(*a, **k))
+    second, quantized = _start(model_dir, monkeypatch)
+    assert quantized == 0 and second == first and sliced == []
+    monkeypatch.setenv("PAGEDLLM_QUANT_CACHE", "0")
+    assert _start(model_dir, monkeypatch)[0] == first and sliced
+
+
 def test_row_limits_are_the_reading_process_s(model_dir, monkeypatch):
     """The cache holds weights, not the row limits: those follow the process that reads it."""
     from pagedllm.model_executor.layers.linear import Linear
