@@ -34,13 +34,13 @@ def launch_to_healthy(tree: str, serve_args: list[str], timeout_s: float = 300) 
             if proc.poll() is not None:
                 raise RuntimeError(f"pagedllm serve from {tree} exited with {proc.returncode}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                return time.perf_counter() - start
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    return time.perf_counter() - start
             except OSError:
                 time.sleep(0.02)
         raise TimeoutError(f"pagedllm serve from {tree} not healthy in {timeout_s} s")
     finally:
-        proc.terminate()
+        proc.terminate()  # the front stops its engine core before it exits
         proc.wait()
 
 
@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("serve_args", nargs="*",
                         help="after --: arguments for pagedllm serve (default: the default model)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     trees = args.trees.split(",")
     results: dict[str, list[float]] = {tree: [] for tree in trees}
     for round_ in range(args.rounds + 1):

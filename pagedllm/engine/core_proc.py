@@ -71,14 +71,16 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
         if dp > 1 and on_cpu:
             torch.set_num_threads(max(1, num_cpus() // dp))  # the other engine cores run beside this one
         threads = torch.get_num_threads()
-        if on_cpu and config.parallel_config.world_size == 1 and threads > 1:
+        spare = on_cpu and config.parallel_config.world_size == 1 and threads > 1
+        if spare:
             # The front loads its tokenizer (single-threaded, ~2 s for a 262k vocabulary) while
             # this process loads the weights: one CPU is left to it until the core is built.
             torch.set_num_threads(threads - 1)
         try:
             core = EngineCore(config)
         finally:
-            torch.set_num_threads(threads)
+            if spare and torch.get_num_threads() == threads - 1:  # unless the build chose a count
+                torch.set_num_threads(threads)
     except Exception as e:  # report why, so the front can raise a clear error
         out.send_multipart([EngineCoreOutputType.FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
         out.close(linger=2000)

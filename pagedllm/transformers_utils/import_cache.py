@@ -1,17 +1,19 @@
 """An on-disk cache for transformers' import-structure scan.
 
 `import transformers` and the first import from `transformers.models` each walk the whole
-`models/` tree (~1,100 folders, ~3,300 files, every file read and searched for `__all__`), and
-the scan's in-memory cache (128 entries) is too small for the second walk to reuse the first.
-That costs ~1 s of CPU per process, in the front and in the engine core alike, on every start.
+`models/` tree (560 folders, ~2,600 files in transformers 5.24, every file read and searched for
+`__all__`), and the scan's in-memory cache (128 entries) is too small for the second walk to
+reuse the first: ~0.6 s of CPU per process, in the front and in the engine core alike, on every
+start.
 
 `install()` (run by `import pagedllm`) hooks the scan as `transformers.utils.import_utils` loads:
 a folder's structure is kept in memory for the process, and the outermost call's result is saved
-under the cache root, keyed by the transformers version, the folder, and the size and
-modification time of every folder and Python file below it. Any change there (an upgrade, an
-edited checkout) makes a new key; the stat walk costs ~20 ms. The file is JSON, not pickle: the
-cache directory may be shared, and reading it must not run code. A transformers without the
-scan, or with one of another shape, is left alone."""
+under the cache root, keyed by the transformers version, the scan's own source file, and the
+names of the folders and the name, size and modification time of every Python file below. Any
+change there (an upgrade, an edited checkout) makes a new key; the stat walk costs ~20 ms. The
+file is JSON, not pickle: the cache directory may be shared, and reading it must not run code.
+Whatever goes wrong with the cache, the scan runs as it would without it; a transformers without
+the scan, or with one of another shape, is left alone."""
 
 from __future__ import annotations
 
@@ -57,15 +59,23 @@ class _Finder:
     """A meta path finder that finds nothing itself: it wraps the loader of
     `transformers.utils.import_utils` so the scan is patched right after that module runs,
     before transformers' own __init__ calls it. (Its imports wait until then: `import
-    pagedllm` stays light.)"""
+    pagedllm` stays light.) It stays on `sys.meta_path`, inert once used: removing it while
+    another thread's import walks the list could make that import skip a finder."""
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201 (importlib's signature)
-        if fullname != MODULE:
+    def __init__(self) -> None:
+        self.done = False
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if self.done or fullname != MODULE:
             return None
-        import importlib.machinery
-
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        self.done = True
+        spec = None
+        for finder in list(sys.meta_path):  # the others, in their order, as importlib asks them
+            find = getattr(finder, "find_spec", None)
+            if finder is not self and find is not None:
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
@@ -83,6 +93,8 @@ class _Finder:
 
 
 def _cached_scan(scan: Any) -> Any:
+    """`scan` (the lru_cache'd original) with the memo and the disk cache in front of it; keeps
+    its `cache_info` and `cache_clear` (which clears the memo too)."""
     memo: dict[str, Any] = {}
     depth = 0
 
@@ -94,12 +106,16 @@ def _cached_scan(scan: Any) -> Any:
             folder = os.path.dirname(folder)
         if folder in memo:
             return memo[folder]
-        outermost = depth == 0
-        entry = _entry(folder, scan) if outermost else None
-        result = _load(entry) if entry is not None else None
-        if result is not None:
-            _remember(memo, folder, result)  # its subfolders too, as a scan would have
-            return result
+        entry = None
+        if depth == 0:  # the outermost call: the one whose result is saved
+            try:
+                entry = _entry(folder, scan)
+                result = _load(entry) if entry is not None else None
+                if result is not None:
+                    _remember(memo, folder, result)  # its subfolders too, as a scan would have
+                    return result
+            except Exception:  # noqa: BLE001 - any trouble with the cache: scan as without it
+                entry = None
         depth += 1
         try:
             result = scan(folder)
@@ -110,6 +126,12 @@ def _cached_scan(scan: Any) -> Any:
         memo[folder] = result
         return result
 
+    def cache_clear() -> None:
+        memo.clear()
+        scan.cache_clear()
+
+    cached.cache_clear = cache_clear
+    cached.cache_info = scan.cache_info
     cached._pagedllm_cached = True
     return cached
 
@@ -136,7 +158,7 @@ def _entry(folder: str, scan: Any) -> Path | None:
         st = os.stat(scan.__code__.co_filename)
         digest.update(f"{st.st_size}\0{st.st_mtime_ns}\0".encode())
         _fingerprint(folder, digest)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, UnicodeError, RecursionError):
         return None
     return cache_dir() / f"{digest.hexdigest()}.json"
 
@@ -165,7 +187,7 @@ def _load(path: Path) -> Any:
             result = decode(json.load(f))
         mark_used(path)
         return result
-    except (OSError, ValueError, TypeError, KeyError):
+    except Exception:  # noqa: BLE001 - unreadable, damaged or of another shape: scanned again
         return None
 
 
@@ -176,13 +198,13 @@ def _save(path: Path, result: Any) -> None:
 
     try:
         text = json.dumps(encode(result), separators=(",", ":"))
-    except TypeError:  # something the JSON form cannot hold: not cached
+    except (TypeError, ValueError, RecursionError):  # something the JSON form cannot hold: not cached
         return
     try:
         write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), temp_prefix=_TEMP_PREFIX)
         prune_stale(path.parent, "*.json", MAX_AGE_S, keep=path)
         prune_stale(path.parent, f"{_TEMP_PREFIX}*", MAX_AGE_S, temp_prefix=_TEMP_PREFIX)
-    except OSError:  # a read-only or full cache: the scan still ran
+    except Exception:  # noqa: BLE001 - a read-only or full cache: the scan still ran
         pass
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from pagedllm import envs
+
 
 def safetensors_files(model_dir: str) -> list[str]:
     """The shards named by model.safetensors.index.json, else every *.safetensors file."""
@@ -73,19 +75,30 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
         header, data_start = _read_header(path)
+        mappable = never_rewritten(path)
         with open(path, "rb") as raw:
             for name in names:
-                yield name, CheckpointTensor(raw, header[name], data_start)
+                yield name, CheckpointTensor(raw, header[name], data_start, mappable)
+
+
+def never_rewritten(path: str) -> bool:
+    """Whether a weight file lives where files are only ever replaced whole (written under
+    another name, then renamed): pagedllm's cache and the Hugging Face hub cache's blobs."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    real = os.path.realpath(path)
+    return any(real.startswith(os.path.realpath(root) + os.sep) for root in (envs.cache_root(), HF_HUB_CACHE))
 
 
 class CheckpointTensor:
     """A tensor in a safetensors file, not read yet: `load()` reads all of it, `narrow(dim, ...)`
     and `[a:b]` only a slice (rows are one read; columns of a matrix one read per row)."""
 
-    __slots__ = ("_raw", "_offset", "shape", "dtype")
+    __slots__ = ("_raw", "_offset", "shape", "dtype", "mappable")
 
-    def __init__(self, raw, info: dict, data_start: int) -> None:
+    def __init__(self, raw, info: dict, data_start: int, mappable: bool = False) -> None:
         self._raw = raw
+        self.mappable = mappable
         self._offset = data_start + info["data_offsets"][0]
         self.shape = torch.Size(info["shape"])
         self.dtype = _DTYPES[info["dtype"]]
@@ -124,11 +137,17 @@ class CheckpointTensor:
             return
         self._read(start * inner, target.numel(), out=target)
 
-    def mapped(self) -> torch.Tensor:
+    def mapped(self) -> torch.Tensor | None:
         """The tensor as a private (copy-on-write) memory map of the file: nothing is read until
         a page is touched, and the pages stay shared with the page cache (and with every other
-        process mapping the file) until one is written. Kept alive by the tensor."""
+        process mapping the file) until one is written. Kept alive by the tensor. None where
+        the file may be rewritten in place while mapped (a page past a truncation is a SIGBUS;
+        one not yet touched would show the new contents), or the data is not aligned to its
+        dtype: only files written whole and renamed into place are mapped, pagedllm's cache
+        (GGUF conversions) and the Hugging Face hub cache."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if not self.mappable or self._offset % itemsize:
+            return None
         nbytes = self.shape.numel() * itemsize
         start = self._offset - self._offset % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._raw.fileno(), self._offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
@@ -154,7 +173,7 @@ class CheckpointTensor:
             raise IndexError(f"rows [{start}, {start + length}) of a tensor with {self.shape[0]}")
         part = object.__new__(CheckpointTensor)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        part._raw, part.dtype = self._raw, self.dtype
+        part._raw, part.dtype, part.mappable = self._raw, self.dtype, self.mappable
         part._offset = self._offset + start * self.shape[1:].numel() * itemsize
         part.shape = torch.Size((length, *self.shape[1:]))
         return part

@@ -82,28 +82,72 @@ def test_a_later_process_reads_the_saved_structure(tmp_path, monkeypatch):
 
 
 def test_real_transformers_imports_from_the_saved_structure(tmp_path):
-    """Two fresh interpreters: the first saves the scan; the second never runs it, and what it
-    read equals a fresh scan of transformers' models folder."""
+    """Three fresh interpreters: one scans transformers' models folder with no cache installed
+    (the reference); the next saves the scan; the last never runs it, and what it read equals
+    the reference."""
     env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    reference = textwrap.dedent("""
+        import json, os
+        import transformers.utils.import_utils as iu  # before pagedllm: nothing is patched
+        scan = iu.create_import_structure_from_path
+        assert not getattr(scan, "_pagedllm_cached", False)
+        models = os.path.normpath(os.path.join(os.path.dirname(iu.__file__), "..", "models"))
+        structure = scan(models)
+        from pagedllm.transformers_utils.import_cache import encode
+        print(json.dumps(encode(structure)))
+    """)
     script = textwrap.dedent("""
-        import os, sys
+        import json, os, sys
         import pagedllm  # installs the cache before transformers loads
         from transformers import AutoConfig, PretrainedConfig
         import transformers.utils.import_utils as iu
+        from pagedllm.transformers_utils.import_cache import decode
         cached = iu.create_import_structure_from_path
         assert cached._pagedllm_cached
-        scan = cached.__wrapped__
-        print(scan.cache_info().misses)
+        print(cached.cache_info().misses)
         if sys.argv[1] == "check":
-            models = os.path.join(os.path.dirname(iu.__file__), "..", "models")
-            models = os.path.normpath(models)
-            assert cached(models) == scan(models)
+            models = os.path.normpath(os.path.join(os.path.dirname(iu.__file__), "..", "models"))
+            with open(sys.argv[2]) as f:
+                assert cached(models) == decode(json.load(f))
+            assert cached.cache_info().misses == 0
             assert AutoConfig.for_model("llama").model_type == "llama"
     """)
-    runs = [subprocess.run([sys.executable, "-c", script, arg], env=env, capture_output=True, text=True, timeout=300)
-            for arg in ("save", "check")]
+    ref = subprocess.run([sys.executable, "-c", reference], env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    (tmp_path / "reference.json").write_text(ref.stdout)
+    assert not (tmp_path / "cache" / "transformers_imports").exists()  # the reference saved nothing
+    runs = [subprocess.run([sys.executable, "-c", script, arg, str(tmp_path / "reference.json")], env=env,
+                           capture_output=True, text=True, timeout=300) for arg in ("save", "check")]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
-    assert int(runs[0].stdout.split()[0]) > 100  # the first process scanned the ~1,100 folders
+    assert int(runs[0].stdout.split()[0]) > 100  # the first process scanned the models folders
     assert int(runs[1].stdout.split()[0]) == 0  # the second read them
     assert list((tmp_path / "cache" / "transformers_imports").glob("*.json"))
+
+
+def test_a_damaged_cache_never_stops_the_import(tmp_path):
+    """Saved files of the wrong shape (valid JSON that is not a structure, or not JSON at all):
+    transformers still imports, scanning as without the cache."""
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    script = "import pagedllm\nfrom transformers import AutoConfig\nprint(AutoConfig.for_model('llama').model_type)"
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for bad in ("null", "[1, 2]", '{"d": [[{"s": ["x"]}, "y"]]}', "{not json"):
+        for saved in (tmp_path / "cache" / "transformers_imports").glob("*.json"):
+            saved.write_text(bad)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.strip() == "llama", (bad, run.stderr[-3000:])
+
+
+def test_the_wrapper_keeps_the_lru_cache_api(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "a.py").write_text("A")
+    calls: list[str] = []
+    scan = _new_process_scan(calls)
+    scan(str(tmp_path / "models"))
+    assert scan.cache_info().misses == 1
+    scan.cache_clear()
+    calls.clear()
+    scan(str(tmp_path / "models"))  # the memo is gone: read from disk this time, not scanned
+    assert calls == [] and scan.cache_info().misses == 0

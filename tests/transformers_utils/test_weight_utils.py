@@ -90,18 +90,26 @@ def test_copy_to_reads_straight_into_the_target(tmp_path):
             lazy.copy_to(torch.empty(3, 8), 0, 4)
 
 
-def test_mapped_rows_are_private_to_the_process(tmp_path):
+def test_mapped_rows_are_private_to_the_process(tmp_path, monkeypatch):
     """`mapped()` gives the stored values without reading them, at any offset in the file (the
-    mapping starts on a page boundary before it); writing to the tensor leaves the file as it was."""
-    path = tmp_path / "model.safetensors"
+    mapping starts on a page boundary before it); writing to the tensor leaves the file as it
+    was. Only files in a cache that replaces files whole are mapped: elsewhere a file may be
+    rewritten in place under the mapping."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     first = torch.arange(7, dtype=torch.float32)  # puts the next tensor off a page boundary
     table = torch.randn(300, 24)
-    save_file({"a": first, "table": table}, str(path))
+    for where in ("cache", "elsewhere"):
+        (tmp_path / where / "model").mkdir(parents=True)
+        save_file({"a": first, "table": table}, str(tmp_path / where / "model" / "model.safetensors"))
+    lazy = {n: t for n, t in iterate_checkpoint(str(tmp_path / "elsewhere" / "model"))}
+    assert lazy["table"].mapped() is None and lazy["a"].mapped() is None
+
+    path = tmp_path / "cache" / "model" / "model.safetensors"
     before = path.read_bytes()
     tensors = {}
-    for name, lazy in iterate_checkpoint(str(tmp_path)):
+    for name, lazy in iterate_checkpoint(str(path.parent)):
         tensors[name] = lazy.rows(10, 200).mapped() if name == "table" else lazy.mapped()
     assert torch.equal(tensors["a"], first) and torch.equal(tensors["table"], table[10:210])
     tensors["table"].fill_(3.0)  # copy-on-write: this process's pages only
     assert path.read_bytes() == before
-    assert torch.equal(next(t for n, t in iterate_checkpoint(str(tmp_path)) if n == "table").load(), table)
+    assert torch.equal(next(t for n, t in iterate_checkpoint(str(path.parent)) if n == "table").load(), table)

@@ -38,10 +38,13 @@ class _VocabShard:
         valid = max(0, self.vocab_end - self.vocab_start)
         if (isinstance(loaded, CheckpointTensor) and valid == param.shape[0] and loaded.dtype == param.dtype
                 and param.device.type == "cpu" and param.numel() > 0):
-            # Mapped, not read: a lookup touches a few rows a step (the float32 embedding of a
-            # 262k vocabulary is 671 MB, read in ~0.4 s), and processes mapping it share it.
-            param.data = loaded.rows(self.vocab_start, valid).mapped()
-            return
+            # Mapped, not read, where the file allows it: a lookup touches a few rows a step (the
+            # float32 embedding of a 262k vocabulary is 671 MB, read in ~0.4 s), and processes
+            # mapping it share it.
+            mapped = loaded.rows(self.vocab_start, valid).mapped()
+            if mapped is not None:
+                param.data = mapped
+                return
         if isinstance(loaded, CheckpointTensor):
             loaded.copy_to(param.data[:valid], 0, self.vocab_start)
         else:

@@ -67,8 +67,9 @@ def head_int4_max_rows() -> int:
 def restore_quantized(model: nn.Module, mode: str, cache: Path) -> bool:
     """Attach the quantized copies `quantize_model` saved in `cache`, before the checkpoint is
     read: each linear's float weight gets its dequantized values here and is marked `preloaded`,
-    so loading skips its checkpoint tensor. False (and nothing changed) where the cache is
-    missing or does not fit; the caller then loads everything and quantizes."""
+    so loading skips its checkpoint tensor. False where the cache is missing or does not fit
+    (no quantized copy stays attached, no weight is marked; the caller then loads every weight,
+    over any a partial restore wrote, and quantizes)."""
     if not cache.exists():
         return False
     modules = _quantizable(model)
@@ -151,9 +152,9 @@ def _restore(modules: list[tuple[str, nn.Module]], mode: str, tensors: dict[str,
         info = meta[name]
         if isinstance(module, Linear):
             quant = _rebuild(tensors, name, info, linear_max_rows(module.weight.dtype))
-            if quant.method != "int8" or quant.out_features != module.weight.shape[0]:
-                raise ValueError(f"{name}: cached {quant.method} {tuple(quant.qweight.shape)}")
             k = module.weight.shape[1]
+            if quant.method != "int8" or quant.out_features != module.weight.shape[0] or info["in_features"] != k:
+                raise ValueError(f"{name}: cached {quant.method} {tuple(quant.qweight.shape)}")
             module.weight.data.copy_(dequantize_int8(quant.qweight[:, :k], quant.scales))
             module.quant = quant
         else:
