@@ -189,7 +189,9 @@ def test_float16_runs_through_the_kernel_layout():
 @pytest.mark.parametrize("head_dim, rotary_dim, norm", [(256, 256, "gemma"), (64, 64, "llama"), (96, 32, None)])
 def test_qk_norm_rope_matches_the_torch_path(head_dim, rotary_dim, norm, dtype, monkeypatch):
     """The fused q/k norm + rotary against the separate torch ops it replaces (float32: to
-    rounding; bf16: one rounding instead of several, so within a bf16 step)."""
+    rounding). In bf16 the two round at different points, and q*cos + rot(q)*sin may cancel to
+    a value far smaller than its terms: the difference stays within a bf16 step of the value
+    plus one of the head's largest value (which bounds the terms)."""
     from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -201,8 +203,8 @@ def test_qk_norm_rope_matches_the_torch_path(head_dim, rotary_dim, norm, dtype, 
         cls = GemmaRMSNorm if norm == "gemma" else RMSNorm
         norms = tuple(cls(head_dim).to(dtype) for _ in range(2))
         with torch.no_grad():
-            for n in norms:
-                n.weight.normal_()
+            for i, n in enumerate(norms):
+                n.weight.copy_(_rand(head_dim, seed=20 + i))
     qkv = (_rand(tokens, (heads + 2 * kv_heads) * head_dim + 16, seed=9) * 2).to(dtype)[:, 16:]  # strided rows
     positions = torch.tensor([0, 1, 5, 17, 100, 311, 511])
     calls = []
@@ -219,4 +221,6 @@ def test_qk_norm_rope_matches_the_torch_path(head_dim, rotary_dim, norm, dtype, 
         if dtype == torch.float32:
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         else:
-            assert ((g.float() - w.float()).abs() <= 2**-6 * w.float().abs() + 2e-2).all()
+            w = w.float()
+            head_scale = w.abs().amax(dim=-1, keepdim=True)
+            assert ((g.float() - w).abs() <= 2**-6 * (w.abs() + head_scale)).all()
