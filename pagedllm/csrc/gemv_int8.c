@@ -164,3 +164,93 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
     free(sx);
     free(xq);
 }
+
+/* ---------- u8 x s8 ranking GEMM (the LM head's W8A8 copy): y = x @ (q * scale)^T ----------
+ * Each activation row quantized to s8 with its own scale, stored as u8 (+128); the weight in
+ * s8 within +-64, so a pair of u8 x s8 products (at most 2 * 255 * 64 = 32640) never
+ * saturates vpmaddubsw's int16 sum: 32 products an instruction, where the int16 x int16 path
+ * above takes 16. The +128 comes back out through each weight row's sum: dot = sum(u8 * w) -
+ * 128 * sum(w). Tiles of 2 weight rows x 4 activation rows, their 8 sums reduced together;
+ * a thread takes 16 weight rows, meets them with every block of activation rows (L1), and
+ * writes each output row's 16 values together. Integer sums are exact: every build and every
+ * batch gives a row the same values. */
+#define U8_ROW_BLOCK 32
+#define U8_WEIGHT_BLOCK 16
+
+#if defined(PL_AVX512) || defined(PL_AVX2)
+INLINE __m256i u8_wload(const int8_t *p, int64_t left) {
+    if (left >= 32) return _mm256_loadu_si256((const __m256i *)p);
+    int8_t buf[32] = {0};
+    memcpy(buf, p, (size_t)left);
+    return _mm256_loadu_si256((const __m256i *)buf);
+}
+
+/* d[j * 4 + r] = xu[r] . w_j for 4 activation rows (kp bytes apart) and weight rows w0, w1. */
+INLINE void u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t *d) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < k; kk += 32) {
+        __m256i wa = u8_wload(w0 + kk, k - kk), wb = u8_wload(w1 + kk, k - kk);
+        for (int r = 0; r < 4; r++) {
+            __m256i xv = _mm256_load_si256((const __m256i *)(xu + r * kp + kk));
+            a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, wa), ones));
+            a[4 + r] = _mm256_add_epi32(a[4 + r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, wb), ones));
+        }
+    }
+    __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
+    __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
+    __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+    _mm256_storeu_si256((__m256i *)d, s);
+}
+#else
+INLINE void u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t *d) {
+    for (int r = 0; r < 4; r++) {
+        int32_t s0 = 0, s1 = 0;
+        for (int64_t kk = 0; kk < k; kk++) {
+            s0 += (int32_t)xu[r * kp + kk] * w0[kk];
+            s1 += (int32_t)xu[r * kp + kk] * w1[kk];
+        }
+        d[r] = s0;
+        d[4 + r] = s1;
+    }
+}
+#endif
+
+void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,
+                  const int32_t *w_sum, int64_t n, void *y, int y_bf16, int nthreads) {
+    int64_t kp = KPAD(k), m4 = (m + 3) / 4 * 4;  /* rows in fours: the extra ones are zeros (u8 128) */
+    int16_t *xq = aligned_alloc(64, (size_t)(m * kp * sizeof(int16_t)));
+    uint8_t *xu = aligned_alloc(64, (size_t)(m4 * kp));
+    float *sx = malloc((size_t)m * sizeof(float));
+    quantize_rows_i16(x, x_bf16, m, k, 127.0f, xq, sx);  /* s8 values in int16, zero-padded */
+    for (int64_t i = 0; i < m * kp; i++) xu[i] = (uint8_t)(xq[i] + 128);
+    memset(xu + m * kp, 128, (size_t)((m4 - m) * kp));
+    free(xq);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < n; nb += U8_WEIGHT_BLOCK) {
+        int64_t nw = n - nb < U8_WEIGHT_BLOCK ? n - nb : U8_WEIGHT_BLOCK;
+        float tile[U8_ROW_BLOCK][U8_WEIGHT_BLOCK];
+        for (int64_t rb = 0; rb < m; rb += U8_ROW_BLOCK) {
+            int64_t re = rb + U8_ROW_BLOCK < m ? rb + U8_ROW_BLOCK : m;
+            for (int64_t j = 0; j < nw; j += 2) {
+                const int8_t *w0 = w + (nb + j) * k, *w1 = j + 1 < nw ? w0 + k : w0;
+                float ws0 = bf16_scalar(w_scale[nb + j]), ws1 = bf16_scalar(w_scale[nb + (j + 1 < nw ? j + 1 : j)]);
+                int32_t off0 = 128 * w_sum[nb + j], off1 = 128 * w_sum[nb + (j + 1 < nw ? j + 1 : j)];
+                for (int64_t r0 = rb; r0 < re; r0 += 4) {
+                    int32_t d[8];
+                    u8_tile(xu + r0 * kp, kp, w0, w1, k, d);
+                    for (int r = 0; r < 4 && r0 + r < re; r++) {
+                        tile[r0 - rb + r][j] = (float)(d[r] - off0) * sx[r0 + r] * ws0;
+                        if (j + 1 < nw) tile[r0 - rb + r][j + 1] = (float)(d[4 + r] - off1) * sx[r0 + r] * ws1;
+                    }
+                }
+            }
+            for (int64_t r = rb; r < re; r++)
+                for (int64_t j = 0; j < nw; j++) store1(y, y_bf16, r * n + nb + j, tile[r - rb][j]);
+        }
+    }
+    free(sx);
+    free(xu);
+}

@@ -45,6 +45,7 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "pl_w8a16_linear": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
+    "pl_u8s8_rank": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
     "pl_w4a16_linear": [_P, _I, _L, _L, _P, _P, _L, _P, _L, _P, _I, _I],
     "pl_paged_decode_attention": [_P, _L, _L, _L, _L, _P, _P, _L, _I, _P, _L, _P, _L, _F, _P, _I],
     "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
@@ -317,6 +318,17 @@ def w8a16_linear(
     n, k = qweight.shape
     x2, y = _gemv_io(x, n, k)
     bind_w8a16_linear(x2, qweight, scales, _as(bias, x.dtype), y, torch.get_num_threads(), now=True)
+    return _shaped_like(x, y)
+
+
+def u8s8_rank(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
+    """x [.., K] @ (qweight [N, K] int8 within +-64 * scales [N] bf16)^T with each activation
+    row quantized to s8 (carried as u8): the LM head's ranking. `w_sum` [N] int32: each weight
+    row's sum."""
+    n, k = qweight.shape
+    x2, y = _gemv_io(x, n, k)
+    kernels().pl_u8s8_rank(x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
+                           w_sum.data_ptr(), n, y.data_ptr(), _is_bf16(y), torch.get_num_threads())
     return _shaped_like(x, y)
 
 

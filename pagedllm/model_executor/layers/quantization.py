@@ -41,10 +41,10 @@ _TORCH_INT8_K_MULTIPLE = 16
 
 
 def dynamic_runs_kernel() -> bool:
-    """Whether DynamicInt8Quant runs the C int8 kernel (int16 activations) instead of oneDNN's
-    u8 x s8 GEMM: where that has no VNNI (it adds pairs of products in saturating int16), and
-    the kernels are built. For the 262144 x 640 head on an AVX2 EPYC: 31 vs 31-150 ms at 16
-    rows, 151 vs 169 ms at 64, 301 vs 267 ms at 128 (benchmarks/bench_linear_kernels.py)."""
+    """Whether DynamicInt8Quant runs the C u8 x s8 kernel (`cpu_kernels.u8s8_rank`) instead of
+    oneDNN's u8 x s8 GEMM: where there is no VNNI, and the kernels are built. For the 262144 x
+    640 head on an AVX2 EPYC, oneDNN without VNNI took 31-150 ms at 16 rows and 169 at 64; the
+    C kernel 30 and 129 (2026-11-27; 37 and 156 with int16 activations)."""
     return not cpu_isa.has_vnni() and cpu_kernels.kernels() is not None
 
 
@@ -173,7 +173,8 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
 class DynamicInt8Quant(nn.Module):
     """W8A8 for any number of rows: the weight in symmetric per-channel int8, each activation
     row quantized with its own scale (so a row's result never depends on the rows batched with
-    it), multiplied by oneDNN's prepacked u8 x s8 GEMM with int32 accumulation."""
+    it), multiplied as u8 x s8 with int32 accumulation: oneDNN's prepacked GEMM, or without
+    VNNI the C kernel (`cpu_kernels.u8s8_rank`)."""
 
     def __init__(self, weight: torch.Tensor | None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """From the float `weight`, or from its `quantized` (int8 weight, bf16 scale) as
@@ -192,6 +193,8 @@ class DynamicInt8Quant(nn.Module):
         self.runs_kernel = dynamic_runs_kernel()
         # The kernel runs on it; oneDNN's packed copy replaces it once `int8_weight` hands it over.
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = quantized
+        # Each weight row's sum: the kernel's activations carry +128 (u8), taken out through it.
+        self.w_sum = qweight.sum(dim=1, dtype=torch.int32) if self.runs_kernel else None
         self.packed = None if self.runs_kernel else torch.ops.onednn.qlinear_prepack(
             qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())
@@ -202,10 +205,10 @@ class DynamicInt8Quant(nn.Module):
 
     @staticmethod
     def weight_qmax() -> int:
-        """Without VNNI, oneDNN adds pairs of u8 x s8 products in saturating int16: weights up
-        to 64 keep 2 x 255 x 64 in range (one bit less precision, still a ranking for the head).
-        The C kernel (int16 x int16 into int32) takes the full ±127."""
-        return 127 if cpu_isa.has_vnni() or dynamic_runs_kernel() else 64
+        """Without VNNI, pairs of u8 x s8 products are added in saturating int16 (vpmaddubsw, in
+        oneDNN's GEMM and in the C kernel alike): weights up to 64 keep 2 x 255 x 64 in range
+        (one bit less precision, still a ranking for the head)."""
+        return 127 if cpu_isa.has_vnni() and not dynamic_runs_kernel() else 64
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weight and bf16 scales before packing (e.g. for a cache); on oneDNN's path
@@ -220,7 +223,7 @@ class DynamicInt8Quant(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_kernel:
             xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-            return cpu_kernels.w8a16_linear(xk, *self._int8, None).to(x.dtype)
+            return cpu_kernels.u8s8_rank(xk, *self._int8, self.w_sum).to(x.dtype)
         xf = x.float()
         # Each row's scale is rounded to bf16 before use, so multiplying the output by it
         # undoes exactly the scale the row was quantized with.

@@ -63,6 +63,31 @@ def test_w8a16_linear(n, k, rows, dtype):
     _check(_gemv("int8", w, x, None)[0], xd @ deq.T, dtype)
 
 
+@pytest.mark.skipif(not KERNELS, reason="no C kernels: DynamicInt8Quant runs oneDNN's GEMM")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(37, 100), (64, 640), (17, 33), (130, 4100)])  # odd weight rows, k % 32
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 35, 70])  # 35, 70: more than one block of activation rows
+def test_u8s8_rank_is_exact_integer_arithmetic(n, k, rows, dtype):
+    """The ranking kernel against its own arithmetic: each row quantized to s8 (x times 127 /
+    max|x|, rounded to even), int64 dot products with the weight in ±64, then the row's and the
+    weight row's scales. The integer part is exact in every build, so only the output's rounding
+    (float32, or bf16) is left."""
+    q = torch.randint(-64, 65, (n, k), generator=torch.Generator().manual_seed(4)).to(torch.int8)
+    scales = (_rand(n, seed=5).abs() * 0.01 + 1e-3).bfloat16()
+    x = (_rand(rows, k, seed=6) * 3).to(dtype)
+    x[0, :5] = torch.tensor([1.0, -0.5, 0.5, 0.25, -1.0]).to(dtype)  # max|x| = 1: exact ties at +-63.5
+    out = cpu_kernels.u8s8_rank(x, q, scales, q.sum(1, dtype=torch.int32))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    xq = torch.round(xf * torch.div(torch.tensor(127.0), amax)).to(torch.int64)  # `127 / t` is 127 * (1 / t)
+    want = (xq @ q.to(torch.int64).T).float() * (amax / 127) * scales.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=0)
+    else:
+        torch.testing.assert_close(out, want.to(dtype), rtol=2**-8, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, group", [(48, 640, 128), (5, 256, 256), (33, 1024, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])

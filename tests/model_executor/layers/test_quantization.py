@@ -133,21 +133,24 @@ def test_int4_takes_the_largest_group_that_fits():
 
 def _dynamic_reference(x: torch.Tensor, w: torch.Tensor, dyn: qz.DynamicInt8Quant) -> torch.Tensor:
     """What `dyn` computes for x, in float64: per-channel int8 weight (in ±qmax), times each row
-    of x quantized with its bf16 scale (W8A8, oneDNN) or times x itself (the C kernel: its
-    ~15-bit activations are within the tolerance)."""
+    of x quantized to s8 with its scale (bf16 for oneDNN, float32 for the C kernel)."""
     q, w_scale = qz.quantize_int8(w, dyn.qmax)
-    if dyn.runs_kernel:
-        return x.double() @ (q.double() * w_scale.double()[:, None]).t()
     xf = x.float()
-    x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12).bfloat16().double()
-    xq = torch.round(xf.double() / x_scale)
+    x_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
+    if dyn.runs_kernel:  # as the kernel rounds: x times 127 / max|x| (a true division) in float32
+        inv = torch.div(torch.tensor(127.0), xf.abs().amax(-1, keepdim=True))  # `127 / t` is 127 * (1 / t)
+        xq = torch.round(xf * inv).double()
+        x_scale = x_scale.double()
+    else:
+        x_scale = x_scale.bfloat16().double()
+        xq = torch.round(xf.double() / x_scale)
     return (xq @ q.double().t()) * x_scale * w_scale.double()[None]
 
 
 @pytest.fixture(params=["onednn", "kernel"])
 def dynamic_path(request, monkeypatch) -> str:
     """DynamicInt8Quant as built on a CPU with VNNI (oneDNN's W8A8) and on one without (the C
-    int8 kernel, int16 activations), whichever this CPU is."""
+    u8 x s8 kernel, weights in ±64), whichever this CPU is."""
     kernel = request.param == "kernel"
     if kernel and cpu_kernels.kernels() is None:
         pytest.skip("no C kernels")
