@@ -235,15 +235,16 @@ void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t 
         for (int64_t rb = 0; rb < m; rb += U8_ROW_BLOCK) {
             int64_t re = rb + U8_ROW_BLOCK < m ? rb + U8_ROW_BLOCK : m;
             for (int64_t j = 0; j < nw; j += 2) {
-                const int8_t *w0 = w + (nb + j) * k, *w1 = j + 1 < nw ? w0 + k : w0;
-                float ws0 = bf16_scalar(w_scale[nb + j]), ws1 = bf16_scalar(w_scale[nb + (j + 1 < nw ? j + 1 : j)]);
-                int32_t off0 = 128 * w_sum[nb + j], off1 = 128 * w_sum[nb + (j + 1 < nw ? j + 1 : j)];
+                int64_t j1 = j + 1 < nw ? j + 1 : j;  /* an odd last row pairs with itself */
+                const int8_t *w0 = w + (nb + j) * k, *w1 = w + (nb + j1) * k;
+                float ws0 = bf16_scalar(w_scale[nb + j]), ws1 = bf16_scalar(w_scale[nb + j1]);
+                int32_t off0 = 128 * w_sum[nb + j], off1 = 128 * w_sum[nb + j1];
                 for (int64_t r0 = rb; r0 < re; r0 += 4) {
                     int32_t d[8];
                     u8_tile(xu + r0 * kp, kp, w0, w1, k, d);
                     for (int r = 0; r < 4 && r0 + r < re; r++) {
                         tile[r0 - rb + r][j] = (float)(d[r] - off0) * sx[r0 + r] * ws0;
-                        if (j + 1 < nw) tile[r0 - rb + r][j + 1] = (float)(d[4 + r] - off1) * sx[r0 + r] * ws1;
+                        if (j1 != j) tile[r0 - rb + r][j1] = (float)(d[4 + r] - off1) * sx[r0 + r] * ws1;
                     }
                 }
             }

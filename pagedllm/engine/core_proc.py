@@ -18,6 +18,8 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import msgspec  # noqa: E402
@@ -67,20 +69,10 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
         finally:
             gguf_logger.setLevel(level)
         dp = config.parallel_config.data_parallel_size
-        on_cpu = config.device_config.device.type == "cpu"
-        if dp > 1 and on_cpu:
+        if dp > 1 and config.device_config.device.type == "cpu":
             torch.set_num_threads(max(1, num_cpus() // dp))  # the other engine cores run beside this one
-        threads = torch.get_num_threads()
-        spare = on_cpu and config.parallel_config.world_size == 1 and threads > 1
-        if spare:
-            # The front loads its tokenizer (single-threaded, ~2 s for a 262k vocabulary) while
-            # this process loads the weights: one CPU is left to it until the core is built.
-            torch.set_num_threads(threads - 1)
-        try:
+        with one_cpu_left_to_the_front(config):
             core = EngineCore(config)
-        finally:
-            if spare and torch.get_num_threads() == threads - 1:  # unless the build chose a count
-                torch.set_num_threads(threads)
     except Exception as e:  # report why, so the front can raise a clear error
         out.send_multipart([EngineCoreOutputType.FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
         out.close(linger=2000)
@@ -99,6 +91,25 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str) 
         ctx.term()
         if os.getppid() != parent_pid:  # the front died without closing: its IPC directory is ours to remove
             _remove_ipc_dir(input_addr)
+
+
+@contextmanager
+def one_cpu_left_to_the_front(config: Any) -> Iterator[None]:
+    """One torch thread fewer while the engine core builds (one rank, on CPU): the front loads
+    its tokenizer meanwhile (single-threaded, ~2 s for a 262k vocabulary). The count comes back
+    after, unless the build set one of its own."""
+    import torch
+
+    threads = torch.get_num_threads()
+    spare = (config.device_config.device.type == "cpu" and config.parallel_config.world_size == 1
+             and threads > 1)
+    if spare:
+        torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        if spare and torch.get_num_threads() == threads - 1:
+            torch.set_num_threads(threads)
 
 
 def _remove_ipc_dir(addr: str) -> None:

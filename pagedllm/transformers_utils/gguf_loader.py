@@ -188,7 +188,7 @@ def _convert_into(src: str, out: Path) -> None:
     finally:
         if tokenizer_files is not None:  # the weights failed: stop it writing into a directory that goes
             tokenizer_files.kill()
-        link.unlink()
+        link.unlink(missing_ok=True)
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     types = sorted({t.tensor_type.name for t in reader.tensors})
     meta = {"source": src, "architecture": arch, "add_bos_token": add_bos, "tensor_types": types}

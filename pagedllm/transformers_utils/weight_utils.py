@@ -145,7 +145,7 @@ class CheckpointTensor:
         one not yet touched would show the new contents), or the data is not aligned to its
         dtype: only files written whole and renamed into place are mapped, pagedllm's cache
         (GGUF conversions) and the Hugging Face hub cache."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         if not self.mappable or self._offset % itemsize:
             return None
         nbytes = self.shape.numel() * itemsize
@@ -172,7 +172,7 @@ class CheckpointTensor:
         if not 0 <= start <= start + length <= self.shape[0]:
             raise IndexError(f"rows [{start}, {start + length}) of a tensor with {self.shape[0]}")
         part = object.__new__(CheckpointTensor)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         part._raw, part.dtype, part.mappable = self._raw, self.dtype, self.mappable
         part._offset = self._offset + start * self.shape[1:].numel() * itemsize
         part.shape = torch.Size((length, *self.shape[1:]))
