@@ -17,6 +17,7 @@ from pagedllm.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from pagedllm.worker.cpu_malloc import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -39,8 +40,10 @@ class Worker:
         the model. On CUDA rank r takes GPU r; on CPU the ranks share the cores."""
         device = self.config.device_config.device
         parallel = self.config.parallel_config
-        if device.type == "cpu" and self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        if device.type == "cpu":
+            keep_freed_memory()
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
         if parallel.world_size > 1:
             if device.type == "cuda":
                 device = self.config.device_config.device = torch.device("cuda", self.rank)

@@ -4,13 +4,15 @@ logprobs per chunk, and copying blocks."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, _zeros
 from tests.utils import assert_greedy_match, hf_greedy
 
 BS = 8
@@ -125,3 +127,38 @@ def test_copy_blocks_copies_every_layer(runner):
     runner.copy_blocks([(40, 41), (40, 42)])
     for i, kv in enumerate(runner.kv_caches):
         assert (kv[:, 41] == i + 1).all() and (kv[:, 42] == i + 1).all()
+
+
+def _mapping_of(address: int) -> tuple[list[str], int]:
+    """The VmFlags of this process's mapping that holds `address`, and its Rss in kB."""
+    flags, rss, inside = None, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1])
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, "no mapping holds the address"
+    return flags, rss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_memory_is_lazy_zeroes_without_huge_pages(dtype):
+    """The KV cache is zeroes paged in as blocks are first written, on base pages: a huge page
+    is zeroed whole at its first write (with compaction where the kernel defragments on
+    demand), a multi-millisecond stall in the middle of a decode step."""
+    kv = _zeros((2, 1024, 16, 2, 128), dtype, torch.device("cpu"))  # 32 or 16 MiB
+    assert kv.shape == (2, 1024, 16, 2, 128) and kv.dtype == dtype
+    middle = kv.data_ptr() + kv.nbytes // 2
+    flags, rss = _mapping_of(middle)
+    assert "hg" not in flags  # not advised into transparent huge pages
+    assert rss < 64  # nothing paged in yet
+    kv[1, 700, 3] = 2.5
+    assert _mapping_of(middle)[1] < 64 + 16
+    assert float(kv.sum()) == 2.5 * 2 * 128
+    assert not kv[0].any()
