@@ -39,6 +39,7 @@ LAYERS = [
     "cache_files",
     "logger",
     "cpu_isa",
+    "cpu_malloc",
     "sampling_params",
     "pooling_params",
     "lora_request",

@@ -12,12 +12,12 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.cpu_malloc import keep_freed_memory
 from pagedllm.distributed import (
     destroy_distributed_environment,
     init_distributed_environment,
     initialize_model_parallel,
 )
-from pagedllm.worker.cpu_malloc import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 

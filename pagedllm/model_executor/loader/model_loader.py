@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import inspect
 import logging
 import time
@@ -13,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
 from pagedllm.transformers_utils.weight_utils import iterate_weights
@@ -50,7 +49,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
         quantize_model(model, model_config.quantization, cache)
     pack_model(model)
-    _release_freed_memory()
+    release_freed_memory()  # the load's temporaries: hundreds of MB
     logger.info("Weights: %s loaded from %s (%s, quantization %s) in %.1f s", model_config.architecture,
                 model_config.model_path, str(model_config.dtype).removeprefix("torch."),
                 model_config.quantization or "none", time.perf_counter() - start)
@@ -78,14 +77,3 @@ def init_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3)
     for param in model.parameters():
         values = torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
         param.data.copy_(values.to(param.dtype))
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap that loading freed (checkpoint tensors, float weights replaced by packed
-    or quantized copies: hundreds of MB) back to the OS; glibc keeps it otherwise, and it
-    stays in the process's resident memory for good."""
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)  # glibc only
-        if trim is not None:
-            trim(0)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a gli
 # block within a few rounds (its aligned allocations do not always fit the block just freed).
 SCRIPT = """
 import resource, torch
-from pagedllm.worker.cpu_malloc import keep_freed_memory
+from pagedllm.cpu_malloc import keep_freed_memory
 print(keep_freed_memory())
 head = torch.randn(262144, 64)
 faults = []
