@@ -4,14 +4,15 @@
     python benchmarks/profile_step.py --batch 1 --quantization int4 --steps 20
 
 Random token-id prompts of 32 tokens, greedy, ignore_eos (the W1 / W2 workloads); the first
-10 steps (prefill and warm-up) are not profiled. Prints wall ms per step, then the ops by self
-CPU time.
+10 steps (prefill and warm-up) are not profiled. Prints wall ms and minor page faults per
+step, then the ops by self CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import time
 
 from torch.profiler import ProfilerActivity, profile
@@ -35,10 +36,12 @@ def main() -> None:
         engine.add_request(str(i), {"prompt_token_ids": [rng.randint(100, 20000) for _ in range(32)]}, params)
     for _ in range(10):
         engine.step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
-    print(f"wall: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step (batch {args.batch})")
+    print(f"wall: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step (batch {args.batch}); "
+          f"{(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps:.0f} page faults per step")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
