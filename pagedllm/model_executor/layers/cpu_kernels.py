@@ -46,6 +46,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "pl_w8a16_linear": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
     "pl_u8s8_rank": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
+    "pl_i8_row_sums": [_P, _L, _L, _P, _I],
     "pl_w4a16_linear": [_P, _I, _L, _L, _P, _P, _L, _P, _L, _P, _I, _I],
     "pl_paged_decode_attention": [_P, _L, _L, _L, _L, _P, _P, _L, _I, _P, _L, _P, _L, _F, _P, _I],
     "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
@@ -330,6 +331,14 @@ def u8s8_rank(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, w_su
     kernels().pl_u8s8_rank(x2.data_ptr(), _is_bf16(x2), x2.shape[0], k, qweight.data_ptr(), scales.data_ptr(),
                            w_sum.data_ptr(), n, y.data_ptr(), _is_bf16(y), torch.get_num_threads())
     return _shaped_like(x, y)
+
+
+def i8_row_sums(qweight: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of a contiguous int8 [N, K] weight, in int32 (`u8s8_rank`'s `w_sum`)."""
+    n, k = qweight.shape
+    out = torch.empty(n, dtype=torch.int32)
+    kernels().pl_i8_row_sums(qweight.contiguous().data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def w4a16_linear(

@@ -194,7 +194,7 @@ class DynamicInt8Quant(nn.Module):
         # The kernel runs on it; oneDNN's packed copy replaces it once `int8_weight` hands it over.
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = quantized
         # Each weight row's sum: the kernel's activations carry +128 (u8), taken out through it.
-        self.w_sum = qweight.sum(dim=1, dtype=torch.int32) if self.runs_kernel else None
+        self.w_sum = cpu_kernels.i8_row_sums(qweight) if self.runs_kernel else None
         self.packed = None if self.runs_kernel else torch.ops.onednn.qlinear_prepack(
             qweight, [_PACK_ROWS_HINT, self.in_features])
         self.register_buffer("w_scales", scale.float())

@@ -88,6 +88,14 @@ def test_u8s8_rank_is_exact_integer_arithmetic(n, k, rows, dtype):
         torch.testing.assert_close(out, want.to(dtype), rtol=2**-8, atol=0)
 
 
+@pytest.mark.skipif(not KERNELS, reason="no C kernels")
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 100), (130, 4100), (3, 70000)])
+def test_i8_row_sums(n, k):
+    q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n)).to(torch.int8)
+    q[0, :] = -128  # the most negative row: -128 * k
+    assert torch.equal(cpu_kernels.i8_row_sums(q), q.sum(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, group", [(48, 640, 128), (5, 256, 256), (33, 1024, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
