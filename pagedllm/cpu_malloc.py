@@ -1,16 +1,18 @@
-"""glibc's malloc policy for a CPU worker's process: keep freed memory for the next step, and
-hand back what loading freed.
+"""glibc's malloc policy for a CPU worker: keep freed memory for the next step while the worker
+lives, and hand back what loading freed.
 
 glibc serves each allocation above 32 MiB with a fresh `mmap` and gives it back on free, so a
 tensor of that size made every step (the [64, 262144] float32 logits of a batch-64 decode step
-are 64 MiB) is paged in again every step: 16k page faults, ~28 ms a step on a 2-vCPU EPYC VM
-where a reused buffer is written in ~1.5 ms. `keep_freed_memory` (at the worker's start) turns
-`mmap` off for allocations and trims the heap's top only past 1 GiB, so a freed block is reused
-by a later allocation of its size. The heap keeps its peak: memory freed after a long prefill
-stays with the process for the next one (as with tcmalloc and jemalloc, which vLLM-CPU
-recommends preloading). `release_freed_memory` (after loading) still hands the OS the heap that
-loading freed (checkpoint tensors, float weights replaced by packed or quantized copies:
-hundreds of MB).
+are 64 MiB) is paged in again every step: 16k page faults, ~30 ms a step on a 2-vCPU EPYC VM
+where a reused buffer is written in ~1.5 ms. While a worker holds it (`keep_freed_memory`, from
+`Worker.init_device` to `Worker.shutdown`), the process's main heap serves those allocations
+too and is trimmed only past 1 GiB of free memory at its top, so once the heap has settled
+(a few steps: torch's aligned allocations do not always fit the block just freed) a step reuses
+the last step's pages. The heap keeps its peak while the worker lives, as tcmalloc and jemalloc
+(which vLLM-CPU recommends preloading) do. Allocations that large on threads other than the
+main one are still mapped by glibc; the engine steps on its process's main thread.
+`release_freed_memory` (after loading, and when the last holder lets go) hands free heap
+memory back to the OS.
 
 `PAGEDLLM_KEEP_FREED_MEMORY=0` leaves glibc's defaults. Elsewhere than glibc both do nothing.
 """
@@ -21,17 +23,21 @@ import ctypes
 import logging
 import os
 import platform
+import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# mallopt parameters (malloc.h)
+# mallopt parameters (malloc.h) and glibc's defaults for them
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+DEFAULT_MMAP_MAX = 65536
 # Trim the heap's top only past this much free memory: more than any step's temporaries.
-TRIM_THRESHOLD = 1 << 30
+KEEP_TRIM_THRESHOLD = 1 << 30
 
-_done = False
+_lock = threading.Lock()
+_holders = 0
 
 
 def _mallopt_and_trim() -> tuple[Callable[[int, int], int], Callable[[int], int]] | None:
@@ -57,17 +63,34 @@ def release_freed_memory() -> None:
         functions[1](0)
 
 
-def keep_freed_memory() -> bool:
-    """Set this process's malloc to reuse freed memory (once; True if glibc took it)."""
-    global _done
-    if _done:
-        return True
+def _set(mmap_max: int, trim_threshold: int) -> bool:
     functions = _mallopt_and_trim()
-    if os.environ.get("PAGEDLLM_KEEP_FREED_MEMORY", "1") == "0" or functions is None:
+    if functions is None:
         return False
     mallopt = functions[0]
-    # When the heap cannot grow, glibc still falls back to mmap, so large requests never fail for it.
-    _done = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    if not _done:
-        logger.warning("mallopt refused the settings: large tensors are paged in again at each step")
-    return _done
+    return bool(mallopt(M_MMAP_MAX, mmap_max)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def keep_freed_memory() -> bool:
+    """Hold this process's malloc to reusing freed memory (True if glibc took it). Each call that
+    returns True is matched by one `stop_keeping_freed_memory`."""
+    global _holders
+    if os.environ.get("PAGEDLLM_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    with _lock:
+        if _holders == 0 and not _set(0, KEEP_TRIM_THRESHOLD):  # glibc still mmaps when the heap cannot grow
+            return False
+        _holders += 1
+        return True
+
+
+def stop_keeping_freed_memory() -> None:
+    """Let go of one hold; the last one restores glibc's defaults and trims the heap."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            return
+        _holders -= 1
+        if _holders == 0:
+            _set(DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD)
+            release_freed_memory()

@@ -316,15 +316,17 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed KV memory. On CPU it is a private anonymous mapping, so the OS hands out zero
-    pages lazily (resident memory grows with use, not with the reservation), on base pages: a
-    transparent huge page (which numpy's allocator advises for large arrays) is zeroed whole at
-    its first write, a stall of milliseconds in the middle of a decode step.
+    """Zeroed KV memory. On CPU it is a private anonymous mapping advised against transparent
+    huge pages: the OS hands out zero pages lazily (resident memory grows with use, not with the
+    reservation), 4 KiB at a time, where a huge page is zeroed whole at its first write (with
+    compaction on demand), a stall of milliseconds in the middle of a decode step.
     (Zeros, not garbage: masked-out slots still meet V in 0 * x, and NaN * 0 is NaN.)"""
-    if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
+    if device.type != "cpu" or not nbytes or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 

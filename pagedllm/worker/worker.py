@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.cpu_malloc import keep_freed_memory
+from pagedllm.cpu_malloc import keep_freed_memory, stop_keeping_freed_memory
 from pagedllm.distributed import (
     destroy_distributed_environment,
     init_distributed_environment,
@@ -33,6 +33,7 @@ class Worker:
         # CPU threads for this rank, set by an executor that knows what else runs beside it (the
         # ranks on its node, data-parallel engine cores); None: this process's cores over its ranks.
         self.num_threads: int | None = None
+        self.keeps_freed_memory = False
 
     def init_device(self) -> None:
         """Check that the device exists before the (slow) model load. With several ranks (each in
@@ -41,7 +42,8 @@ class Worker:
         device = self.config.device_config.device
         parallel = self.config.parallel_config
         if device.type == "cpu":
-            keep_freed_memory()
+            if not self.keeps_freed_memory:
+                self.keeps_freed_memory = keep_freed_memory()
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
         if parallel.world_size > 1:
@@ -93,6 +95,9 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.keeps_freed_memory:
+            self.keeps_freed_memory = False
+            stop_keeping_freed_memory()
         if self.config.parallel_config.world_size > 1:
             destroy_distributed_environment()
 

@@ -149,14 +149,15 @@ def _mapping_of(address: int) -> tuple[list[str], int]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_memory_is_lazy_zeroes_without_huge_pages(dtype):
-    """The KV cache is zeroes paged in as blocks are first written, on base pages: a huge page
-    is zeroed whole at its first write (with compaction where the kernel defragments on
-    demand), a multi-millisecond stall in the middle of a decode step."""
+    """The KV cache is zeroes paged in as blocks are first written, on base pages whatever the
+    machine's transparent huge page setting: a huge page is zeroed whole at its first write
+    (with compaction where the kernel defragments on demand), a multi-millisecond stall in the
+    middle of a decode step."""
     kv = _zeros((2, 1024, 16, 2, 128), dtype, torch.device("cpu"))  # 32 or 16 MiB
     assert kv.shape == (2, 1024, 16, 2, 128) and kv.dtype == dtype
     middle = kv.data_ptr() + kv.nbytes // 2
     flags, rss = _mapping_of(middle)
-    assert "hg" not in flags  # not advised into transparent huge pages
+    assert "hg" not in flags and "nh" in flags  # advised against transparent huge pages
     assert rss < 64  # nothing paged in yet
     kv[1, 700, 3] = 2.5
     assert _mapping_of(middle)[1] < 64 + 16
