@@ -1,20 +1,22 @@
 """glibc's malloc policy for a CPU worker: keep freed memory for the next step while the worker
-lives, and hand back what loading freed.
+holds it, and hand back what loading freed.
 
 glibc serves each allocation above 32 MiB with a fresh `mmap` and gives it back on free, so a
 tensor of that size made every step (the [64, 262144] float32 logits of a batch-64 decode step
 are 64 MiB) is paged in again every step: 16k page faults, ~30 ms a step on a 2-vCPU EPYC VM
 where a reused buffer is written in ~1.5 ms. While a worker holds it (`keep_freed_memory`, from
-`Worker.init_device` to `Worker.shutdown`), the process's main heap serves those allocations
-too and is trimmed only past 1 GiB of free memory at its top, so once the heap has settled
-(a few steps: torch's aligned allocations do not always fit the block just freed) a step reuses
-the last step's pages. The heap keeps its peak while the worker lives, as tcmalloc and jemalloc
-(which vLLM-CPU recommends preloading) do. Allocations that large on threads other than the
-main one are still mapped by glibc; the engine steps on its process's main thread.
-`release_freed_memory` (after loading, and when the last holder lets go) hands free heap
-memory back to the OS.
+`Worker.init_device` to `Worker.shutdown`; for `LLM`, whose engine runs in the caller's process,
+until that process ends), the process's heap serves those allocations too and is trimmed only
+past 1 GiB of free memory at its top, so once the heap has settled (a few steps: torch's aligned
+allocations do not always fit the block just freed) a step reuses the last step's pages. The
+heap keeps its peak meanwhile, as tcmalloc and jemalloc (which vLLM-CPU recommends preloading)
+do. glibc still maps allocations that large on threads other than the main one; the engine-core
+and worker processes step on their main threads. When the last hold ends, allocations above
+32 MiB (the ceiling of glibc's own adaptive threshold) are mapped again and the heap is trimmed.
+`release_freed_memory` (after loading) hands free heap memory back to the OS.
 
-`PAGEDLLM_KEEP_FREED_MEMORY=0` leaves glibc's defaults. Elsewhere than glibc both do nothing.
+Nothing is changed where the user has tuned glibc's malloc (`MALLOC_*_` variables or
+`GLIBC_TUNABLES`), with `PAGEDLLM_KEEP_FREED_MEMORY=0`, or elsewhere than glibc.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# mallopt parameters (malloc.h) and glibc's defaults for them
+# mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-DEFAULT_TRIM_THRESHOLD = 128 * 1024
+# After a hold: what glibc's adaptive thresholds settle at for large blocks (mmap above 32 MiB,
+# trim past twice that); setting any of them turns the adaptation off for good.
 DEFAULT_MMAP_MAX = 65536
+RELEASED_MMAP_THRESHOLD = 32 << 20
+RELEASED_TRIM_THRESHOLD = 64 << 20
+_USER_TUNED = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 # Trim the heap's top only past this much free memory: more than any step's temporaries.
 KEEP_TRIM_THRESHOLD = 1 << 30
 
@@ -63,34 +70,44 @@ def release_freed_memory() -> None:
         functions[1](0)
 
 
-def _set(mmap_max: int, trim_threshold: int) -> bool:
-    functions = _mallopt_and_trim()
-    if functions is None:
-        return False
-    mallopt = functions[0]
-    return bool(mallopt(M_MMAP_MAX, mmap_max)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+def _user_tuned() -> bool:
+    return any(name in os.environ for name in _USER_TUNED) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def keep_freed_memory() -> bool:
     """Hold this process's malloc to reusing freed memory (True if glibc took it). Each call that
     returns True is matched by one `stop_keeping_freed_memory`."""
     global _holders
-    if os.environ.get("PAGEDLLM_KEEP_FREED_MEMORY", "1") == "0":
+    if os.environ.get("PAGEDLLM_KEEP_FREED_MEMORY", "1") == "0" or _user_tuned():
         return False
     with _lock:
-        if _holders == 0 and not _set(0, KEEP_TRIM_THRESHOLD):  # glibc still mmaps when the heap cannot grow
-            return False
+        if _holders == 0:
+            functions = _mallopt_and_trim()
+            if functions is None:
+                return False
+            mallopt = functions[0]
+            # With mmap off glibc still maps a block when the heap cannot grow: nothing fails for it.
+            if not mallopt(M_MMAP_MAX, 0):
+                logger.warning("mallopt refused M_MMAP_MAX: large tensors are paged in again at each step")
+                return False
+            if not mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD):
+                mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+                logger.warning("mallopt refused M_TRIM_THRESHOLD: large tensors are paged in again at each step")
+                return False
         _holders += 1
         return True
 
 
 def stop_keeping_freed_memory() -> None:
-    """Let go of one hold; the last one restores glibc's defaults and trims the heap."""
+    """Let go of one hold; the last one maps allocations above 32 MiB again and trims the heap."""
     global _holders
     with _lock:
         if _holders == 0:
             return
         _holders -= 1
         if _holders == 0:
-            _set(DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD)
-            release_freed_memory()
+            mallopt, trim = _mallopt_and_trim()
+            mallopt(M_MMAP_THRESHOLD, RELEASED_MMAP_THRESHOLD)
+            mallopt(M_TRIM_THRESHOLD, RELEASED_TRIM_THRESHOLD)
+            mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+            trim(0)

@@ -7,6 +7,7 @@ token, or with speculative decoding the accepted drafts plus one, and the next d
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import mmap
@@ -326,7 +327,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        with contextlib.suppress(OSError):  # EINVAL from a kernel built without huge pages
+            mapping.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 

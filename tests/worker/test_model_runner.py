@@ -146,7 +146,8 @@ def _mapping_of(address: int) -> tuple[list[str], int]:
     return flags, rss
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="reads /proc/self/smaps; a Linux kernel with transparent huge pages")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_memory_is_lazy_zeroes_without_huge_pages(dtype):
     """The KV cache is zeroes paged in as blocks are first written, on base pages whatever the

@@ -334,10 +334,13 @@ def u8s8_rank(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, w_su
 
 
 def i8_row_sums(qweight: torch.Tensor) -> torch.Tensor:
-    """Each row's sum of a contiguous int8 [N, K] weight, in int32 (`u8s8_rank`'s `w_sum`)."""
-    n, k = qweight.shape
+    """Each row's sum of an int8 [N, K] weight, in int32 (`u8s8_rank`'s `w_sum`)."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"i8_row_sums: an int8 matrix, not {qweight.dtype} of shape {tuple(qweight.shape)}")
+    q = qweight.contiguous()  # held until the call returns
+    n, k = q.shape
     out = torch.empty(n, dtype=torch.int32)
-    kernels().pl_i8_row_sums(qweight.contiguous().data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    kernels().pl_i8_row_sums(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
     return out
 
 

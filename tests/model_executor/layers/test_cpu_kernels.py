@@ -94,6 +94,9 @@ def test_i8_row_sums(n, k):
     q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n)).to(torch.int8)
     q[0, :] = -128  # the most negative row: -128 * k
     assert torch.equal(cpu_kernels.i8_row_sums(q), q.sum(1, dtype=torch.int32))
+    assert torch.equal(cpu_kernels.i8_row_sums(q.t()), q.t().sum(1, dtype=torch.int32))  # a strided view
+    with pytest.raises(ValueError, match="int8"):
+        cpu_kernels.i8_row_sums(q.to(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
