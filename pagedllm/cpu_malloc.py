@@ -6,14 +6,15 @@ tensor of that size made every step (the [64, 262144] float32 logits of a batch-
 are 64 MiB) is paged in again every step: 16k page faults, ~30 ms a step on a 2-vCPU EPYC VM
 where a reused buffer is written in ~1.5 ms. While a worker holds it (`keep_freed_memory`, from
 `Worker.init_device` to `Worker.shutdown`; for `LLM`, whose engine runs in the caller's process,
-until that process ends), the process's heap serves those allocations too and is trimmed only
-past 1 GiB of free memory at its top, so once the heap has settled (a few steps: torch's aligned
-allocations do not always fit the block just freed) a step reuses the last step's pages. The
-heap keeps its peak meanwhile, as tcmalloc and jemalloc (which vLLM-CPU recommends preloading)
-do. glibc still maps allocations that large on threads other than the main one; the engine-core
-and worker processes step on their main threads. When the last hold ends, allocations above
-32 MiB (the ceiling of glibc's own adaptive threshold) are mapped again and the heap is trimmed.
-`release_freed_memory` (after loading) hands free heap memory back to the OS.
+until `LLMEngine.shutdown` or that process's end), the process's heap serves those allocations
+too and is trimmed only past 1 GiB of free memory at its top, so once the heap has settled (a
+few steps: torch's aligned allocations do not always fit the block just freed) a step reuses the
+last step's pages. The heap keeps its peak meanwhile, as tcmalloc and jemalloc (which vLLM-CPU
+recommends preloading) do. glibc still maps allocations that large on threads other than the
+main one; the engine-core and worker processes step on their main threads. When the last hold
+ends, allocations above 32 MiB (the ceiling of glibc's own adaptive threshold) are mapped again
+and the heap is trimmed. `release_freed_memory` (after loading) hands free heap memory back to
+the OS.
 
 Nothing is changed where the user has tuned glibc's malloc (`MALLOC_*_` variables or
 `GLIBC_TUNABLES`), with `PAGEDLLM_KEEP_FREED_MEMORY=0`, or elsewhere than glibc.

@@ -114,3 +114,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all([core.reset_prefix_cache() for core in self.engine_cores])
+
+    def shutdown(self) -> None:
+        """Stop every engine core's workers: their processes, their process groups, and on CPU
+        their hold on this process's malloc (`cpu_malloc`); idempotent. The engine takes no
+        requests after it."""
+        for core in self.engine_cores:
+            core.shutdown()

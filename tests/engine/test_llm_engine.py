@@ -188,3 +188,13 @@ def test_first_scheduled_time_and_tokens_per_step(tiny_llama):
     assert stats["iteration_tokens_sum"] == (10 + 3 - 1) + (3 + 3 - 1)
     assert stats["iteration_tokens_count"] == 3 + 2 + 1 + 2  # a: 3 prefill chunks, 2 decodes; b: 1 and 2
     assert stats["iteration_tokens_bucket:1"] == 4 and stats["iteration_tokens_bucket:8"] == 8
+
+
+def test_shutdown_gives_back_the_workers_hold_on_malloc(engine):
+    """In-process engines shut down on request: the CPU worker lets go of its malloc hold."""
+    worker = engine.engine_core.model_executor.driver_worker
+    if not worker.keeps_freed_memory:
+        pytest.skip("no hold taken here (not glibc, or the user's malloc settings)")
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not worker.keeps_freed_memory and worker.model_runner is None
