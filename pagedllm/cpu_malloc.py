@@ -23,6 +23,7 @@ Nothing is changed where the user has tuned glibc's malloc (`MALLOC_*_` variable
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -48,6 +49,7 @@ _lock = threading.Lock()
 _holders = 0
 
 
+@functools.cache
 def _mallopt_and_trim() -> tuple[Callable[[int, int], int], Callable[[int], int]] | None:
     """glibc's `mallopt` and `malloc_trim`, or None elsewhere."""
     if platform.libc_ver()[0] != "glibc":
@@ -88,12 +90,9 @@ def keep_freed_memory() -> bool:
                 return False
             mallopt = functions[0]
             # With mmap off glibc still maps a block when the heap cannot grow: nothing fails for it.
-            if not mallopt(M_MMAP_MAX, 0):
-                logger.warning("mallopt refused M_MMAP_MAX: large tensors are paged in again at each step")
-                return False
-            if not mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD):
+            if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)):
                 mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-                logger.warning("mallopt refused M_TRIM_THRESHOLD: large tensors are paged in again at each step")
+                logger.warning("mallopt refused the settings: large tensors are paged in again at each step")
                 return False
         _holders += 1
         return True
