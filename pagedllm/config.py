@@ -134,6 +134,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # or "priority"
     max_n: int = 128  # most samples (n, best_of) one request may ask for
+    # Schedule step N + 1 while step N runs: each running request's token from step N is a
+    # placeholder that the workers fill in from their own sample (vLLM's async scheduling)
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True)
@@ -279,6 +282,20 @@ def check_lora_support(model_config: ModelConfig, parallel: ParallelConfig, spec
         raise ValueError("--enable-lora runs on one rank: use -dp for more engines, not -tp or -pp")
     if speculative:
         raise ValueError("--enable-lora cannot be combined with --speculative-config")
+
+
+def check_async_scheduling(parallel: ParallelConfig, speculative: bool) -> None:
+    """A step scheduled before the last one's tokens are known takes one new token per request,
+    in one pipeline stage: drafts to verify, or stages that never sample, would need more. The
+    step runs beside the engine core only in worker processes: in-process, the engine would
+    only hand out each step's tokens one forward pass later."""
+    if parallel.distributed_executor_backend == "uni":
+        raise ValueError("--async-scheduling runs the model in worker processes: use --distributed-executor-backend "
+                         "mp (the default with it) or ray, not uni")
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("--async-scheduling cannot be combined with pipeline parallel (-pp > 1)")
+    if speculative:
+        raise ValueError("--async-scheduling cannot be combined with --speculative-config")
 
 
 @dataclass(slots=True)

@@ -69,6 +69,9 @@ class Request:
     structured_output: Any = None  # StructuredOutputRequest while it has a grammar
     # Proposed by the drafter after the last step, verified by the next forward pass.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens sampled by steps in flight, not appended yet. The next step
+    # computes them where they will be (the workers know them by then).
+    num_output_placeholders: int = 0
     # How much of the request its workers hold: tokens and block ids sent in step messages
     # (0 tokens: none; it is sent whole when next scheduled).
     num_synced_tokens: int = 0

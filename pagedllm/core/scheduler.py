@@ -82,6 +82,9 @@ class Scheduler:
         # Steps the engine core keeps in flight (pipeline stages): the running requests are split
         # over that many steps, so each stage has a batch to work on while the next one runs.
         self.pipeline_depth = 1
+        # The workers append their own samples, and the next step is scheduled before this one's
+        # tokens come back (see `Request.num_output_placeholders`).
+        self.async_scheduling = scheduler_config.async_scheduling
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,6 +146,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.prompt_logprobs = None  # the recompute produces them again
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # never preempted with a step in flight: none are pending
         request.num_synced_tokens = request.num_synced_blocks = 0  # the workers drop it
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -152,6 +156,15 @@ class Scheduler:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # FCFS: the newest running request
+
+    def _num_known_and_pending(self, request: Request) -> int:
+        """The tokens a running request can compute up to: its known ones and drafts, and with
+        async scheduling the ones steps in flight sample, unless those already end it."""
+        pending = request.num_output_placeholders
+        if pending and (request.num_output_tokens + pending >= request.max_tokens
+                        or request.num_tokens + pending >= self.max_model_len):
+            return request.num_computed_tokens  # its last token is in flight: nothing to add
+        return request.num_tokens_with_spec + pending
 
     def _chunk(self, num_new: int, budget: int, prefill: bool = True) -> int:
         """Tokens a request computes this step: what it has left, within the step's budget and,
@@ -172,7 +185,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(num_scheduled) < per_step:
             request = self.running[i]
             # Draft tokens are scheduled like any other: verified in this forward pass.
-            num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget,
+            num_new = self._chunk(self._num_known_and_pending(request) - request.num_computed_tokens, budget,
                                   prefill=request.num_computed_tokens < request.num_prompt_tokens)
             if num_new <= 0:
                 i += 1
@@ -413,6 +426,9 @@ class Scheduler:
             self.num_steps_in_flight[req_id] = self.num_steps_in_flight.get(req_id, 0) + 1
             # Advance now, so the next schedule() sees these tokens as in flight.
             request.num_computed_tokens = start + n
+            if self.async_scheduling and request.pooling_params is None and start + n >= (
+                    request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # it samples this step
             out.total_num_scheduled_tokens += n
         return out
 
@@ -447,6 +463,9 @@ class Scheduler:
             if tokens is None:
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if self.async_scheduling:
+                request.num_output_placeholders -= 1
+                request.num_synced_tokens += len(tokens)  # the workers appended their sample already
             entries = logprobs[row] if logprobs is not None else None
             output, stopped = update_request_with_output(
                 request, tokens, len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())), entries,

@@ -22,6 +22,7 @@ from pagedllm.config import (
     build_model_config,
     build_parallel_config,
     build_pooler_config,
+    check_async_scheduling,
     check_lora_support,
     check_pipeline_parallel,
     check_quantization,
@@ -78,6 +79,8 @@ class EngineArgs:
     # chunks stay this small, so running decodes are not held up behind it
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # Schedule the next step while the current one runs (vLLM's --async-scheduling)
+    async_scheduling: bool = False
     trust_remote_code: bool = False
     quantization: str | None = None
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} or its JSON
@@ -118,8 +121,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (and a draft model) to their files, converting a GGUF once into its
         cache, then build and check the config; every error is a ValueError."""
+        # Async scheduling overlaps the engine core with worker processes: one rank goes to one.
+        backend = self.distributed_executor_backend or ("mp" if self.async_scheduling else None)
         parallel_config = build_parallel_config(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                                self.data_parallel_size, self.distributed_executor_backend)
+                                                self.data_parallel_size, backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
         if device.type == "cpu":
@@ -213,6 +218,8 @@ class EngineArgs:
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
         check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
                                 speculative_config is not None and speculative_config.method == "draft_model")
+        if self.async_scheduling:
+            check_async_scheduling(parallel_config, speculative_config is not None)
         lora_config = None
         if self.enable_lora:
             lora_config = build_lora_config(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
@@ -234,6 +241,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold if chunked_prefill else 0,
                 policy=self.scheduling_policy,
                 max_n=self.max_n,
+                async_scheduling=self.async_scheduling,
             ),
             device_config=DeviceConfig(device=device),
             speculative_config=speculative_config,

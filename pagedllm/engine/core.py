@@ -52,6 +52,9 @@ class EngineCore:
         # Pipeline parallel: steps in flight, oldest first (vLLM's batch queue).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self.batch_queue_size
+        self.async_scheduling = sched.async_scheduling
+        if self.async_scheduling:
+            self.batch_queue_size = 2  # the step being scheduled and the one before it
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.iteration_tokens = IterationTokens()
 
@@ -65,12 +68,37 @@ class EngineCore:
         return [EngineCoreOutput(r.request_id, [], "abort") for r in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to finish, or a step in flight whose output is still to be taken."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self.step_async()
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         return self.finish_step(self.begin_step())
+
+    def step_async(self) -> EngineCoreOutputs:
+        """Async scheduling: schedule step N + 1 and send its forward pass before step N's tokens
+        are back (its requests' tokens from step N are placeholders, which the workers fill in
+        from their own samples), then take step N's output, and only then build N + 1's grammar
+        bitmask, from grammars that have seen step N's tokens. The workers (processes: see
+        `check_async_scheduling`) go from one step to the next without waiting for the engine
+        core's update and scheduling, and step N's tokens are out while N + 1 runs."""
+        sched_out = self.scheduler.schedule()
+        self._record_scheduled(sched_out)
+        outputs = self.scheduler.take_pending_outputs()
+        if not sched_out.is_empty:
+            self.model_executor.execute_model(sched_out)
+        if self.batch_queue:
+            prev_out, future = self.batch_queue.popleft()
+            outputs += self.scheduler.update_from_output(prev_out, future.result())
+        if not sched_out.is_empty:
+            future = self.model_executor.sample_tokens(self.get_grammar_output(sched_out), non_block=True)
+            self.batch_queue.append((sched_out, future))
+        elif not outputs and self.scheduler.has_unfinished_requests():
+            time.sleep(0.001)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Keep up to `batch_queue_size` steps in flight: schedule and send a step (forward and
@@ -133,9 +161,10 @@ class EngineCore:
         drafts = sched_out.scheduled_spec_decode_tokens
         grammar_reqs = []
         for req_id in sched_out.num_scheduled_tokens:
-            request = requests[req_id]
+            request = requests.get(req_id)  # async scheduling: the step before may have ended it
             # It samples when this step reaches its last known token (schedule() advanced it).
-            if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens:
+            if (request is not None and request.structured_output is not None
+                    and request.num_computed_tokens >= request.num_tokens):
                 grammar_reqs.append((req_id, request.structured_output, drafts.get(req_id, [])))
         filled = self.structured_output_manager.grammar_bitmask(grammar_reqs) if grammar_reqs else None
         if filled is None:

@@ -59,6 +59,8 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch = InputBatch()
+        # The engine core does not send back the tokens sampled here: each request's state takes them.
+        self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps between forward() and sample_tokens(), oldest first (several with pipeline parallel).
         self._pending: deque[tuple] = deque()
         self.lora_manager = None
@@ -231,6 +233,9 @@ class ModelRunner:
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if sample_idx:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)
+            if self.async_scheduling:  # the next step, already scheduled, computes these tokens
+                for i in sample_idx:
+                    reqs[i].output_token_ids.extend(out.sampled_token_ids[i])
         if self.ngram is not None:
             out.spec_token_ids = [
                 self.ngram.propose(r.prompt_token_ids + r.output_token_ids + new) if new is not None else None

@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="most samples (n, best_of) one request may ask for; more is an error (HTTP 400)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                        help="schedule the next step while the current one runs (not with pipeline parallel "
+                             "or speculative decoding)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                         help="weight-only quantized linears and LM head (CPU). Default: int4 for a GGUF file "
