@@ -106,7 +106,9 @@ class KVCacheManager:
 
         Called after the forward pass, not at allocation: a block is findable only
         once its K/V really are in the cache, so a request preempted before its step
-        ran can never leave a hash pointing at garbage.
+        ran can never leave a hash pointing at garbage. (With a step in flight, its
+        last position may still be written by that step, which runs before any step
+        that could find it.)
         """
         if not self.enable_caching:
             return

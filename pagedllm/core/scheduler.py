@@ -82,12 +82,19 @@ class Scheduler:
         # Steps the engine core keeps in flight (pipeline stages): the running requests are split
         # over that many steps, so each stage has a batch to work on while the next one runs.
         self.pipeline_depth = 1
+        # Requests whose id an ended request's step in flight still carries: added once it is back.
+        self.deferred: dict[str, Request] = {}
         # The workers append their own samples, and the next step is scheduled before this one's
         # tokens come back (see `Request.num_output_placeholders`).
         self.async_scheduling = scheduler_config.async_scheduling
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.num_steps_in_flight:
+            # An earlier request of this id ended while a step of its is in flight (async
+            # scheduling, pipeline parallel): that step's row must not reach this one.
+            self.deferred[request.request_id] = request
+            return
         so_params = request.sampling_params.structured_outputs
         if so_params is not None:
             if self.structured_output_manager is None:
@@ -104,6 +111,11 @@ class Scheduler:
         finished = []
         for req_id in request_ids:
             request = self.requests.get(req_id)
+            if request is None and req_id in self.deferred:
+                request = self.deferred.pop(req_id)
+                request.status = status
+                finished.append(request)
+                continue
             if request is None or request.is_finished():
                 continue
             if request.status == RequestStatus.RUNNING:
@@ -133,7 +145,7 @@ class Scheduler:
             self._release_idle_group(request.group_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.deferred)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -309,8 +321,9 @@ class Scheduler:
 
     # ---- n > 1: samples of one prompt -----------------------------------
     def _computed_prompt(self, request: Request) -> bool:
-        """A forward pass has written the prompt's K/V into its blocks. (num_computed_tokens runs
-        ahead of the pass only between schedule() and the pass, when nothing frees or forks.)"""
+        """A forward pass has written the prompt's K/V into its blocks, or a step in flight will
+        before any step scheduled from now on runs (workers run steps in order), so forking them
+        is safe."""
         return (
             request.status == RequestStatus.RUNNING or request.is_finished()
         ) and request.num_computed_tokens >= request.num_prompt_tokens
@@ -396,6 +409,8 @@ class Scheduler:
         (tokens sampled since, blocks allocated since, num_computed_tokens)."""
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids,
                               block_copies=self.block_copies)
+        if not num_scheduled:
+            return out  # not sent to the workers: the next step that runs tells them
         self.finished_req_ids = set()
         self.block_copies = []
         cached = out.scheduled_cached_reqs
@@ -433,15 +448,19 @@ class Scheduler:
         return out
 
     # ---- after the forward pass ------------------------------------------
+    def forget_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step is back (or its output lost): its requests no longer have it in flight."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            left = self.num_steps_in_flight.pop(req_id, 0) - 1
+            if left > 0:
+                self.num_steps_in_flight[req_id] = left
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Take back rejected drafts, append new tokens, apply stop conditions, cache full blocks."""
         outputs: list[EngineCoreOutput] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            left = self.num_steps_in_flight.pop(req_id, 0) - 1
-            if left > 0:
-                self.num_steps_in_flight[req_id] = left
+        self.forget_step(scheduler_output)
         logprobs = runner_output.logprobs
         proposals = runner_output.spec_token_ids
         # The runner's rows are the scheduled requests, in order.
@@ -481,4 +500,6 @@ class Scheduler:
                     request, proposals[row], self.max_model_len, self.speculative_config,
                     self.structured_output_manager,
                 )
+        for req_id in [r for r in self.deferred if r not in self.num_steps_in_flight]:
+            self.add_request(self.deferred.pop(req_id))
         return outputs

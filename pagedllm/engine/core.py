@@ -59,7 +59,7 @@ class EngineCore:
         self.iteration_tokens = IterationTokens()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self.scheduler.deferred:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
@@ -88,17 +88,37 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         self._record_scheduled(sched_out)
         outputs = self.scheduler.take_pending_outputs()
-        if not sched_out.is_empty:
-            self.model_executor.execute_model(sched_out)
-        if self.batch_queue:
-            prev_out, future = self.batch_queue.popleft()
-            outputs += self.scheduler.update_from_output(prev_out, future.result())
-        if not sched_out.is_empty:
-            future = self.model_executor.sample_tokens(self.get_grammar_output(sched_out), non_block=True)
+        if sched_out.is_empty:
+            outputs += self._finish_steps_in_flight()
+            if not outputs and self.scheduler.has_unfinished_requests():
+                time.sleep(0.001)
+            return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+        self.model_executor.execute_model(sched_out)
+        grammar_output = None
+        try:
+            outputs += self._finish_steps_in_flight()
+            grammar_output = self.get_grammar_output(sched_out)
+        finally:
+            # Even when the above raised (e.g. Ctrl-C while waiting), every forward pass sent is
+            # followed by its sampling, so the workers' steps stay paired.
+            future = self.model_executor.sample_tokens(grammar_output, non_block=True)
             self.batch_queue.append((sched_out, future))
-        elif not outputs and self.scheduler.has_unfinished_requests():
-            time.sleep(0.001)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _finish_steps_in_flight(self) -> list[EngineCoreOutput]:
+        """Update from the step in flight. If taking its output raises, the step is forgotten
+        (its tokens are lost: whoever catches the error aborts its requests, as `LLM` does, or
+        the engine fails)."""
+        outputs: list[EngineCoreOutput] = []
+        while self.batch_queue:
+            prev_out, future = self.batch_queue.popleft()
+            try:
+                runner_out = future.result()
+            except BaseException:
+                self.scheduler.forget_step(prev_out)
+                raise
+            outputs += self.scheduler.update_from_output(prev_out, runner_out)
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Keep up to `batch_queue_size` steps in flight: schedule and send a step (forward and

@@ -175,6 +175,19 @@ def test_abort_running_request_frees_blocks():
     assert_all_blocks_free(sched)
 
 
+def test_finished_ids_of_an_empty_step_reach_the_workers_with_the_next_step():
+    """A step with nothing scheduled is not sent, so the ids it would carry wait for one that is."""
+    sched = make_scheduler()
+    sched.add_request(make_req("a", 5))
+    d = Driver(sched)
+    d.step()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert sched.schedule().is_empty  # nothing to run: the workers hear nothing
+    sched.add_request(make_req("b", 5))
+    out = d.step()
+    assert out.finished_req_ids == {"a"} and "a" not in d.worker.batch.requests
+
+
 def test_abort_waiting_and_preempted_requests():
     sched = make_scheduler(num_blocks=4)
     reqs = [make_req(n, 4, max_tokens=3) for n in ("a", "b", "c")]

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.executor.abstract import StepFuture
 from tests.structured_output.conftest import assert_valid, params
 from tests.utils import assert_idle
 
@@ -87,6 +90,56 @@ def test_max_tokens_and_max_model_len_are_not_overrun(tiny_llama):
     got = _run(tiny_llama, True, prompts, sampling, max_model_len=24)
     assert got[0] == expected[0]
     assert [len(o[0][0]) for o in got[0]] == [2, 21] and got[0][1][0][1] == "length"
+
+
+def test_reused_request_id_waits_for_the_step_in_flight(tiny_llama):
+    """A request stopping at step N still has a row in step N + 1; a new request with its id,
+    added meanwhile, waits for that step instead of taking the row's token."""
+    args = dict(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 24)
+    greedy = partial(SamplingParams, temperature=0, ignore_eos=True)
+    llm = LLM(**args)
+    expected = [o.outputs[0].token_ids for o in llm.generate(
+        [[5, 6, 7], [20, 21, 22, 23, 24], [9, 10, 11, 12]], [greedy(max_tokens=1), greedy(max_tokens=6),
+                                                             greedy(max_tokens=12)], use_tqdm=False)]
+    llm.llm_engine.shutdown()
+    engine = LLMEngine.from_engine_args(EngineArgs(**args, async_scheduling=True))
+    core = engine.engine_core
+    # Its first token stops it, which the scheduler cannot know in advance.
+    engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, greedy(max_tokens=8, stop_token_ids=expected[0]))
+    engine.add_request("y", {"prompt_token_ids": [9, 10, 11, 12]}, greedy(max_tokens=12))
+    final = {}
+    while "x" not in final:
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["x"].outputs[0].token_ids == expected[0]
+    assert core.scheduler.num_steps_in_flight.get("x")  # its row in the step after is in flight
+    engine.add_request("x", {"prompt_token_ids": [20, 21, 22, 23, 24]}, greedy(max_tokens=6))
+    assert "x" in core.scheduler.deferred
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.shutdown()
+    assert [final[i].outputs[0].token_ids for i in ("x", "y")] == expected[1:]
+
+
+def test_interrupted_wait_leaves_the_engine_usable(tiny_llama, monkeypatch):
+    """Ctrl-C while the engine core waits for a step: generate() aborts its requests, and the next
+    call gives the same outputs as before (the workers' forward and sampling calls stay paired)."""
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    calls, result = [0], StepFuture.result
+
+    def interrupted(self):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return result(self)
+
+    monkeypatch.setattr(StepFuture, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert_idle(llm)
+    llm.llm_engine.shutdown()
 
 
 def test_preemption(tiny_llama):

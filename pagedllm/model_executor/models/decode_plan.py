@@ -1,14 +1,16 @@
-"""A batch-1 decode step replayed as a fixed list of C kernel calls: the CPU analogue of a CUDA
-graph. A lone decode's forward is ~250 small kernel calls whose Python around them (module
-dispatch, shape checks, output allocation, pointer lookups) costs more than the kernels
-themselves; the plan binds each call's arguments once (fixed buffers, raw pointers), so a step
-only writes the token's position, slot, block table and length into its input buffers and
-runs the calls. The kernels, their arguments and their order are those of the module path, so
-its results are bit-identical to it (tests/model_executor/models/test_decode_plan.py).
+"""A decode step of up to `MAX_PLAN_ROWS` sequences replayed as a fixed list of C kernel calls:
+the CPU analogue of CUDA graphs. A decode's forward is ~250 small kernel calls whose Python
+around them (module dispatch, shape checks, output allocation, pointer lookups) costs ~10 ms a
+step, more than the kernels themselves at batch 1; a plan binds each call's arguments once
+(fixed buffers, raw pointers), so a step only writes its tokens' positions, slots, block tables
+and lengths into the input buffers and runs the calls. There is one plan per number of rows,
+built on that row count's first pure-decode step, all on one set of buffers. The kernels, their
+arguments and their order are those of the module path, so its results are bit-identical to it
+(tests/model_executor/models/test_decode_plan.py).
 
-Built by the models that support it (Gemma 3) on the first lone decode, only on the C kernel
-path: one rank, weight-only quantized decoder linears in pagedllm's layout, no LoRA, float32
-or bf16. Anything else keeps the module path.
+Built by the models that support it (Gemma 3), only on the C kernel path: one rank, weight-only
+quantized decoder linears in pagedllm's layout, no LoRA, float32 or bf16. Anything else keeps
+the module path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import math
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +30,42 @@ from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 _ACT_IDS = {SiluAndMul: cpu_kernels.ACTIVATIONS["silu"], GeluTanhAndMul: cpu_kernels.ACTIVATIONS["gelu_tanh"]}
 
 
+# Most rows a plan runs: above this the module path's Python is a few percent of the step.
+MAX_PLAN_ROWS = 64
+
+
 class Unsupported(Exception):
     """The model, its weights or this step cannot run the plan; the module path runs."""
 
 
-class DecodePlan:
-    """Buffers and bound kernel calls for one token through a Gemma 3 stack (embedding scale,
-    four norms per layer, fused q/k norm + rotary, sliding and global layers)."""
+class PlanBuffers:
+    """Inputs and activations for `rows` rows, shared by every plan of a model (each binds the
+    first rows it runs) and by its layers, which run one after the other."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, rows: int, dtype: torch.dtype) -> None:
+        attn_mod, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
+        hidden_size = model.embed_tokens.weight.shape[1]
+        block_size = attn_mod.attn.kv_cache.shape[2]
+        max_blocks = math.ceil(attn_mod.rotary_emb.cos_cache.shape[0] / block_size) + 1
+        zeros = partial(torch.zeros, dtype=dtype)
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.slot = torch.zeros(rows, dtype=torch.int64)
+        self.seq_len = torch.zeros(rows, dtype=torch.int64)
+        self.block_table = torch.zeros(rows, max_blocks, dtype=torch.int64)
+        self.hidden, self.normed, self.proj = (zeros(rows, hidden_size) for _ in range(3))
+        self.qkv = zeros(rows, (hq + 2 * hk) * d)
+        self.q, self.k, self.o = zeros(rows, hq, d), zeros(rows, hk, d), zeros(rows, hq, d)
+        inter = mlp.down_proj.in_features
+        self.gate_up, self.act = zeros(rows, 2 * inter), zeros(rows, inter)
+
+
+class DecodePlan:
+    """Bound kernel calls for `rows` decode tokens through a Gemma 3 stack (embedding scale,
+    four norms per layer, fused q/k norm + rotary, sliding and global layers), on the first
+    `rows` rows of `buffers`."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, buffers: PlanBuffers | None = None) -> None:
         lib = cpu_kernels.kernels()
         layers = list(model.layers)
         if lib is None or not layers or model.start_layer != 0 or model.end_layer != len(layers):
@@ -46,32 +74,25 @@ class DecodePlan:
         dtype = model.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"dtype {dtype}")
-        self.dtype, self.nthreads = dtype, torch.get_num_threads()
-        self.embed, self.embed_scale = model.embed_tokens, torch.tensor(model.embed_scale, dtype=dtype)
-        hidden_size = self.embed.weight.shape[1]
-        self.kv_ptr = first.attn.kv_cache.data_ptr()
         if first.attn.kv_cache.numel() == 0:
             raise Unsupported("no KV cache bound")
-        block_size = first.attn.kv_cache.shape[2]
-        self.block_size = block_size
-        max_blocks = math.ceil(first.rotary_emb.cos_cache.shape[0] / block_size) + 1
+        self.rows, self.dtype, self.nthreads = rows, dtype, torch.get_num_threads()
+        self.embed, self.embed_scale = model.embed_tokens, torch.tensor(model.embed_scale, dtype=dtype)
+        self.kv_ptr = first.attn.kv_cache.data_ptr()
+        self.block_size = first.attn.kv_cache.shape[2]
+        buffers = buffers or PlanBuffers(model, rows, dtype)
+        self.buffers = buffers  # the calls point into it
         # per-step inputs, written in place
-        self.positions = torch.zeros(1, dtype=torch.int64)
-        self.slot = torch.zeros(1, dtype=torch.int64)
-        self.seq_len = torch.zeros(1, dtype=torch.int64)
-        self.block_table = torch.zeros(1, max_blocks, dtype=torch.int64)
-        self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()[0]
-        self.hidden = torch.zeros(1, hidden_size, dtype=dtype)
-        self.normed = torch.zeros(1, hidden_size, dtype=dtype)
+        self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
+        self.seq_len, self.block_table = buffers.seq_len[:rows], buffers.block_table[:rows]
+        self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()
+        self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
         self.calls: list[Callable[[], object]] = []
         for layer in layers:
             self._add_layer(layer)
         self._rms(model.norm, self.hidden, self.normed)
 
     # -- building --
-
-    def _buffer(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=self.dtype)  # the calls bound to it keep it alive
 
     @staticmethod
     def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -91,8 +112,8 @@ class DecodePlan:
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
         quant = linear.quant
-        if quant is None or quant.layout != "pagedllm" or quant.max_rows < 1 or linear.lora is not None:
-            raise Unsupported(f"{type(linear).__name__} without pagedllm's weight-only kernels")
+        if quant is None or quant.layout != "pagedllm" or quant.max_rows < self.rows or linear.lora is not None:
+            raise Unsupported(f"{type(linear).__name__} without pagedllm's weight-only kernels for {self.rows} rows")
         if getattr(linear, "tp_size", 1) != 1:
             raise Unsupported("tensor parallel")
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).contiguous()
@@ -111,11 +132,11 @@ class DecodePlan:
             raise Unsupported("head or rotary sizes the kernels do not take")
         if attn.kv_cache.numel() == 0 or attn.kv_cache.dtype != self.dtype:
             raise Unsupported("KV cache")
-        qkv = self._buffer(1, (hq + 2 * hk) * d)
-        q, k, o = self._buffer(1, hq, d), self._buffer(1, hk, d), self._buffer(1, hq, d)
-        proj = self._buffer(1, self.hidden.shape[1])
-        inter = mlp.down_proj.in_features
-        gate_up, act = self._buffer(1, 2 * inter), self._buffer(1, inter)
+        n, b = self.rows, self.buffers
+        qkv, q, k, o, proj, gate_up, act = (b.qkv[:n], b.q[:n], b.k[:n], b.o[:n], b.proj[:n], b.gate_up[:n],
+                                            b.act[:n])
+        if qkv.shape[1] != (hq + 2 * hk) * d or q.shape[1:] != (hq, d) or act.shape[1] != mlp.down_proj.in_features:
+            raise Unsupported("layers of different shapes")
 
         self._rms(layer.input_layernorm, self.hidden, self.normed)
         self._linear(attn_mod.qkv_proj, self.normed, qkv)
@@ -128,13 +149,13 @@ class DecodePlan:
             qkv, hq, hk, d, norms, self._dense(rope.cos_cache), self._dense(rope.sin_cache), self.positions, q, k,
             self.nthreads))
         k_cache, v_cache = attn.kv_cache[0], attn.kv_cache[1]
-        v = qkv[:, (hq + hk) * d :].view(1, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(n, hk, d)
         self.calls.append(partial(k_cache.view(-1, hk, d).index_copy_, 0, self.slot, k))
         self.calls.append(partial(v_cache.view(-1, hk, d).index_copy_, 0, self.slot, v))
         self.calls.append(cpu_kernels.bind_paged_decode_attention(
             q, self._dense(k_cache), self._dense(v_cache), self.block_table, self.seq_len, attn.sliding_window,
             attn.scale, o, self.nthreads))
-        self._linear(attn_mod.o_proj, o.view(1, hq * d), proj)
+        self._linear(attn_mod.o_proj, o.view(n, hq * d), proj)
         self._rms(layer.post_attention_layernorm, proj, self.hidden, residual=True)
         self._rms(layer.pre_feedforward_layernorm, self.hidden, self.normed)
         self._linear(mlp.gate_up_proj, self.normed, gate_up)
@@ -148,28 +169,56 @@ class DecodePlan:
     # -- running --
 
     def accepts(self, input_ids: torch.Tensor, md: AttentionMetadata | None, kv_cache: torch.Tensor) -> bool:
-        """Whether this step is one the plan was built for: one decode token, no adapter, the
+        """Whether this step is one the plan was built for: `rows` decode tokens, no adapter, the
         same KV cache and thread count."""
         return (
             md is not None
-            and input_ids.numel() == 1
+            and input_ids.numel() == self.rows
             and not md.prefills
             and md.decode_block_tables is not None
-            and -(-int(md.decode_seq_lens[0]) // self.block_size) <= self._table_np.shape[0]
+            and md.decode_block_tables.shape[1] <= self._table_np.shape[1]
             and get_lora_mask() is None
             and kv_cache.data_ptr() == self.kv_ptr
             and torch.get_num_threads() == self.nthreads
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """The final-normed hidden state [1, hidden] of the step's token."""
+        """The final-normed hidden states [rows, hidden] of the step's tokens."""
         torch.mul(F.embedding(input_ids, self.embed.weight), self.embed_scale, out=self.hidden)
-        self.positions.copy_(positions.view(1))
-        self.slot.copy_(md.slot_mapping.view(1))
-        length = int(md.decode_seq_lens[0])
-        blocks = -(-length // self.block_size)
-        self._seq_len_np[0] = length
-        self._table_np[:blocks] = np.asarray(md.decode_block_tables[0, :blocks])
+        self.positions.copy_(positions.view(-1))
+        self.slot.copy_(md.slot_mapping.view(-1))
+        self._seq_len_np[:] = md.decode_seq_lens
+        tables = md.decode_block_tables
+        self._table_np[:, : tables.shape[1]] = tables.numpy()
         for call in self.calls:
             call()
         return self.normed.clone()
+
+
+class DecodePlans:
+    """A model's plans by row count, on one set of buffers; dropped (`valid` False) when the KV
+    cache or the thread count changes."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        kv_cache = model.layers[0].self_attn.attn.kv_cache
+        self.kv_ptr, self.nthreads = kv_cache.data_ptr(), torch.get_num_threads()
+        self.plans = {1: DecodePlan(model, 1)}  # raises Unsupported where no plan can run
+        self.buffers: PlanBuffers | None = None
+
+    def valid(self, kv_cache: torch.Tensor) -> bool:
+        return kv_cache.data_ptr() == self.kv_ptr and torch.get_num_threads() == self.nthreads
+
+    def get(self, rows: int) -> DecodePlan | None:
+        """The plan for `rows` decode tokens (built now if this is the first such step); None
+        above MAX_PLAN_ROWS or the decoder kernels' own row limit."""
+        plan = self.plans.get(rows)
+        if plan is None and 1 < rows <= MAX_PLAN_ROWS:
+            if self.buffers is None:
+                self.buffers = PlanBuffers(self.model, MAX_PLAN_ROWS, self.plans[1].dtype)
+            try:
+                plan = DecodePlan(self.model, rows, self.buffers)
+            except Unsupported:
+                plan = False  # e.g. more rows than a linear's kernel takes
+            self.plans[rows] = plan
+        return plan or None

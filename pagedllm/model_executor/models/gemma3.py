@@ -23,7 +23,7 @@ from pagedllm.model_executor.layers.linear import (
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model_executor.models.decode_plan import DecodePlan, Unsupported
+from pagedllm.model_executor.models.decode_plan import MAX_PLAN_ROWS, DecodePlan, DecodePlans, Unsupported
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
     IntermediateTensors,
@@ -114,7 +114,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        if input_ids.numel() == 1 and intermediate_tensors is None and (plan := self._decode_plan(input_ids)):
+        if (input_ids.numel() <= MAX_PLAN_ROWS and intermediate_tensors is None
+                and (plan := self._decode_plan(input_ids))):
             return plan.run(input_ids, positions, get_attention_metadata())
         if intermediate_tensors is None:
             hidden = self.embed_tokens(input_ids)
@@ -130,23 +131,27 @@ class Gemma3Model(nn.Module):
 
 
     def _decode_plan(self, input_ids: torch.Tensor) -> DecodePlan | None:
-        """The batch-1 decode plan (decode_plan.py) when this step can run it: built on the
-        first lone decode, rebuilt if the KV cache or the thread count changes; None (the module
-        path) where the model cannot run one, or with PAGEDLLM_DECODE_PLAN=0."""
-        md, plan = get_attention_metadata(), self.__dict__.get("decode_plan")
-        if md is None or plan is False:
+        """The decode plan for this step's row count (decode_plan.py) when the step can run it:
+        the plans are set up on the first decode, again if the KV cache or the thread count
+        changes; None (the module path) where the model cannot run one, or with
+        PAGEDLLM_DECODE_PLAN=0."""
+        md, plans = get_attention_metadata(), self.__dict__.get("decode_plans")
+        if md is None or plans is False or md.prefills:
             return None
         kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
-        if plan is None or kv_cache.data_ptr() != plan.kv_ptr or torch.get_num_threads() != plan.nthreads:
+        if plans is None or not plans.valid(kv_cache):
             try:
                 if os.environ.get("PAGEDLLM_DECODE_PLAN", "1") == "0":
                     raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
-                plan = DecodePlan(self)
+                plans = DecodePlans(self)
             except Unsupported as e:
-                logger.debug("batch-1 decode plan off: %s", e)
-                plan = False
-            self.__dict__["decode_plan"] = plan
-        return plan if plan and plan.accepts(input_ids, md, kv_cache) else None
+                logger.debug("decode plan off: %s", e)
+                plans = False
+            self.__dict__["decode_plans"] = plans
+            if not plans:
+                return None
+        plan = plans.get(input_ids.numel())
+        return plan if plan is not None and plan.accepts(input_ids, md, kv_cache) else None
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -1,7 +1,7 @@
-"""The batch-1 decode plan (decode_plan.py) against the module path it replays: the same tokens
-and bit-identical logprobs, across a sliding window, in float32 and bf16, for int8 and int4
-decoder linears; and where it does not apply (batches, prefill, LoRA-less but unquantized
-models) the module path runs."""
+"""The decode plans (decode_plan.py) against the module path they replay: the same tokens and
+bit-identical logprobs, alone and in batches of several rows (each row equal to its lone run),
+across a sliding window, in float32 and bf16, for int8 and int4 decoder linears; and where they
+do not apply (prefill, more rows than a plan takes, unquantized models) the module path runs."""
 
 from __future__ import annotations
 
@@ -21,31 +21,50 @@ def gemma3_d32(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("gemma3_d32")), "gemma3", head_dim=32, query_pre_attn_scalar=32)
 
 
-def _run(llm: LLM, prompts, monkeypatch, plan: bool) -> tuple[list, int]:
+_REAL_RUN, _REAL_ACCEPTS = decode_plan.DecodePlan.run, decode_plan.DecodePlan.accepts
+
+
+def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20) -> tuple[list, list[int]]:
+    """Outputs, and the row count of each step the plans ran."""
     runs = []
-    real_run, real_accepts = decode_plan.DecodePlan.run, decode_plan.DecodePlan.accepts
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    real_run, real_accepts = _REAL_RUN, _REAL_ACCEPTS  # not the last call's wrappers
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, *a: runs.append(self.rows) or real_run(self, *a))
     monkeypatch.setattr(decode_plan.DecodePlan, "accepts", lambda self, *a: plan and real_accepts(self, *a))
-    params = SamplingParams(max_tokens=20, temperature=0, logprobs=3, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(runs)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], runs
 
 
 @pytest.mark.parametrize("dtype, quantization", [("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4")])
 def test_plan_is_bit_identical_to_the_module_path(gemma3_d32, dtype, quantization, monkeypatch):
-    llm = LLM(gemma3_d32, dtype=dtype, quantization=quantization, kv_cache_memory=1 << 24, block_size=8)
+    # No prefix caching: a prompt found in the cache computes its last tokens on another attention path.
+    llm = LLM(gemma3_d32, dtype=dtype, quantization=quantization, kv_cache_memory=1 << 24, block_size=8,
+              enable_prefix_caching=False)
     prompt = [{"prompt_token_ids": [5, 17, 42, 7, 99, 3]}]  # 6 + 20 tokens: past the window of 8 and over 4 blocks
     with_plan, runs = _run(llm, prompt, monkeypatch, plan=True)
-    assert runs == 19  # every decode step after the prefill's token
+    assert runs == [1] * 19  # every decode step after the prefill's token
     without, runs = _run(llm, prompt, monkeypatch, plan=False)
-    assert runs == 0
+    assert runs == []
     assert with_plan == without
-    # batches keep the module path; a batch's row equals its lone run (batch invariance)
-    batch, runs = _run(llm, [*prompt, {"prompt_token_ids": [8, 9, 10]}], monkeypatch, plan=True)
-    assert runs == 0 and batch[0] == with_plan[0]
+    # Batches of 2 to 5 rows at different positions (some past the window): bit for bit the
+    # module path's batch, and each row's tokens those of its lone run. (Its logprobs may differ
+    # in the last digits: the LM head ranks more than 4 rows with its int8 copy, fewer with the
+    # int4 one, and the tail of the distribution is the ranking's.)
+    prompts = [*prompt] + [{"prompt_token_ids": list(range(3 + i, 3 + i + 3 * i + 1))} for i in range(4)]
+    for n in (2, 5):
+        batch, runs = _run(llm, prompts[:n], monkeypatch, plan=True, max_tokens=12)
+        assert runs == [n] * 11
+        assert batch == _run(llm, prompts[:n], monkeypatch, plan=False, max_tokens=12)[0]
+        alone = [_run(llm, [p], monkeypatch, plan=False, max_tokens=12)[0][0] for p in prompts[:n]]
+        assert [tokens for tokens, _ in batch] == [tokens for tokens, _ in alone]
+    _, runs = _run(llm, prompts * 14, monkeypatch, plan=True, max_tokens=3)
+    assert runs == []  # 70 rows: more than a plan takes
+    many = prompts * 14  # 70 rows: more than a plan takes
+    _, runs = _run(llm, many, monkeypatch, plan=True, max_tokens=3)
+    assert runs == []
 
 
 def test_unquantized_models_keep_the_module_path(gemma3_d32, monkeypatch):
     llm = LLM(gemma3_d32, dtype="float32", kv_cache_memory=1 << 24)
     _, runs = _run(llm, [{"prompt_token_ids": [5, 17, 42]}], monkeypatch, plan=True)
-    assert runs == 0
+    assert runs == []

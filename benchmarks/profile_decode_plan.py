@@ -1,13 +1,14 @@
-"""Where a batch-1 decode step's time goes, with the decode plan (the step's C kernel calls
-bound once and replayed, `model_executor/models/decode_plan.py`) and without it (the module
-path), in one process on the default model:
+"""Where a decode step's time goes, with the decode plan (the step's C kernel calls bound once
+and replayed, `model_executor/models/decode_plan.py`) and without it (the module path), in one
+process on the default model, the two alternated:
 
-    python benchmarks/profile_batch1.py [--tokens 128] [--rounds 2]
+    python benchmarks/profile_decode_plan.py [--batch 1] [--tokens 128] [--rounds 2]
 
-Per step: wall time of `LLM.generate` divided by the tokens, the time inside the C kernels
-(the module path: timed around each `cpu_kernels` call, wrapper included; the plan: each bound
-call timed alone in a replay of the last step) and the rest (Python: scheduling, input
-preparation, module dispatch, sampling, detokenizing).
+`--batch` prompts of 32 random token ids decode together. Per step: wall time of
+`LLM.generate` divided by the tokens per sequence, the time inside the C kernels (the module
+path: timed around each `cpu_kernels` call, wrapper included; the plan: each bound call timed
+alone in a replay of the last step, plus the head's kernels) and the rest (Python: scheduling,
+input preparation, module dispatch, sampling, detokenizing).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _timed_kernels(acc: collections.Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
@@ -53,7 +55,7 @@ def main() -> None:
 
     llm = LLM()
     random.seed(0)
-    prompt = [{"prompt_token_ids": [random.randint(100, 20000) for _ in range(32)]}]
+    prompt = [{"prompt_token_ids": [random.randint(100, 20000) for _ in range(32)]} for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
     for _ in range(args.rounds):
