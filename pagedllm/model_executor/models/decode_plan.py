@@ -19,12 +19,14 @@ import math
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagedllm.forward_context import AttentionMetadata, get_lora_mask
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
+from pagedllm.model_executor.layers.attention import KERNEL_CHUNK_MAX_KEYS, KERNEL_CHUNK_ROWS
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 
 _ACT_IDS = {SiluAndMul: cpu_kernels.ACTIVATIONS["silu"], GeluTanhAndMul: cpu_kernels.ACTIVATIONS["gelu_tanh"]}
@@ -168,28 +170,35 @@ class DecodePlan:
 
     # -- running --
 
-    def accepts(self, input_ids: torch.Tensor, md: AttentionMetadata | None, kv_cache: torch.Tensor) -> bool:
-        """Whether this step is one the plan was built for: `rows` decode tokens, no adapter, the
-        same KV cache and thread count."""
+    def accepts(self, input_ids: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """Whether this step is one the plan was built for (`DecodePlans.takes` checked its
+        kinds of rows): `rows` tokens, the same KV cache and thread count."""
         return (
-            md is not None
-            and input_ids.numel() == self.rows
-            and not md.prefills
-            and md.decode_block_tables is not None
-            and md.decode_block_tables.shape[1] <= self._table_np.shape[1]
-            and get_lora_mask() is None
+            input_ids.numel() == self.rows
             and kv_cache.data_ptr() == self.kv_ptr
             and torch.get_num_threads() == self.nthreads
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """The final-normed hidden states [rows, hidden] of the step's tokens."""
+        """The final-normed hidden states [rows, hidden] of the step's tokens: decodes, and the
+        rows of short chunks, each as a decode of the keys up to its own position."""
         torch.mul(F.embedding(input_ids, self.embed.weight), self.embed_scale, out=self.hidden)
         self.positions.copy_(positions.view(-1))
         self.slot.copy_(md.slot_mapping.view(-1))
-        self._seq_len_np[:] = md.decode_seq_lens
-        tables = md.decode_block_tables
-        self._table_np[:, : tables.shape[1]] = tables.numpy()
+        lens, table = self._seq_len_np, self._table_np
+        if md.decode_token_idx is not None:
+            tables = md.decode_block_tables
+            if not md.prefills:  # decodes only: rows in order
+                lens[:] = md.decode_seq_lens
+                table[:, : tables.shape[1]] = tables.numpy()
+            else:
+                rows = md.decode_token_idx.numpy()
+                lens[rows] = md.decode_seq_lens
+                table[rows, : tables.shape[1]] = tables.numpy()
+        for seg in md.prefills:
+            rows = slice(seg.token_start, seg.token_start + seg.query_len)
+            lens[rows] = np.arange(seg.context_len + 1, seg.context_len + seg.query_len + 1)
+            table[rows, : seg.block_table.shape[0]] = seg.block_table.numpy()
         for call in self.calls:
             call()
         return self.normed.clone()
@@ -204,10 +213,27 @@ class DecodePlans:
         kv_cache = model.layers[0].self_attn.attn.kv_cache
         self.kv_ptr, self.nthreads = kv_cache.data_ptr(), torch.get_num_threads()
         self.plans = {1: DecodePlan(model, 1)}  # raises Unsupported where no plan can run
+        self.windows = {layer.self_attn.attn.sliding_window for layer in model.layers}
         self.buffers: PlanBuffers | None = None
 
     def valid(self, kv_cache: torch.Tensor) -> bool:
         return kv_cache.data_ptr() == self.kv_ptr and torch.get_num_threads() == self.nthreads
+
+    def takes(self, md: AttentionMetadata) -> bool:
+        """Whether every row of the step runs as a decode in the module path's attention too:
+        decodes, and chunks of at most KERNEL_CHUNK_ROWS rows after cached context over at most
+        KERNEL_CHUNK_MAX_KEYS keys in every layer; and no adapter."""
+        max_blocks = self.plans[1].block_table.shape[1]
+        if get_lora_mask() is not None:
+            return False
+        if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > max_blocks:
+            return False
+        for seg in md.prefills:
+            keys = seg.context_len + seg.query_len
+            if (seg.context_len == 0 or seg.query_len > KERNEL_CHUNK_ROWS or seg.block_table.shape[0] > max_blocks
+                    or any((min(keys, w) if w else keys) > KERNEL_CHUNK_MAX_KEYS for w in self.windows)):
+                return False
+        return True
 
     def get(self, rows: int) -> DecodePlan | None:
         """The plan for `rows` decode tokens (built now if this is the first such step); None

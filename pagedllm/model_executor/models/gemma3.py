@@ -131,15 +131,17 @@ class Gemma3Model(nn.Module):
 
 
     def _decode_plan(self, input_ids: torch.Tensor) -> DecodePlan | None:
-        """The decode plan for this step's row count (decode_plan.py) when the step can run it:
-        the plans are set up on the first decode, again if the KV cache or the thread count
-        changes; None (the module path) where the model cannot run one, or with
-        PAGEDLLM_DECODE_PLAN=0."""
+        """The decode plan for this step's row count (decode_plan.py) when the step can run it
+        (decodes, and short chunks after cached context): the plans are set up on the first step
+        with a decode, again if the KV cache or the thread count changes; None (the module path)
+        where the model cannot run one, or with PAGEDLLM_DECODE_PLAN=0."""
         md, plans = get_attention_metadata(), self.__dict__.get("decode_plans")
-        if md is None or plans is False or md.prefills:
+        if md is None or plans is False:
             return None
         kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
         if plans is None or not plans.valid(kv_cache):
+            if md.decode_token_idx is None:
+                return None  # set up on a step with a decode
             try:
                 if os.environ.get("PAGEDLLM_DECODE_PLAN", "1") == "0":
                     raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
@@ -150,6 +152,8 @@ class Gemma3Model(nn.Module):
             self.__dict__["decode_plans"] = plans
             if not plans:
                 return None
+        if not plans.takes(md):
+            return None
         plan = plans.get(input_ids.numel())
         return plan if plan is not None and plan.accepts(input_ids, md, kv_cache) else None
 

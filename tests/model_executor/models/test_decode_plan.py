@@ -24,11 +24,19 @@ def gemma3_d32(tmp_path_factory) -> str:
 _REAL_RUN, _REAL_ACCEPTS = decode_plan.DecodePlan.run, decode_plan.DecodePlan.accepts
 
 
-def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20) -> tuple[list, list[int]]:
-    """Outputs, and the row count of each step the plans ran."""
+def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20, chunks: list | None = None) -> tuple:
+    """Outputs, and the row count of each step the plans ran (in `chunks`: whether it had a
+    prompt chunk)."""
     runs = []
     real_run, real_accepts = _REAL_RUN, _REAL_ACCEPTS  # not the last call's wrappers
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, *a: runs.append(self.rows) or real_run(self, *a))
+
+    def run(self, input_ids, positions, md):
+        runs.append(self.rows)
+        if chunks is not None:
+            chunks.append(bool(md.prefills))
+        return real_run(self, input_ids, positions, md)
+
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", run)
     monkeypatch.setattr(decode_plan.DecodePlan, "accepts", lambda self, *a: plan and real_accepts(self, *a))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -62,6 +70,20 @@ def test_plan_is_bit_identical_to_the_module_path(gemma3_d32, dtype, quantizatio
     many = prompts * 14  # 70 rows: more than a plan takes
     _, runs = _run(llm, many, monkeypatch, plan=True, max_tokens=3)
     assert runs == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_chunks_beside_decodes_run_the_plan(gemma3_d32, dtype, monkeypatch):
+    """A long prompt in 4-token chunks beside a decoding request: the steps whose chunk has
+    cached context run the plan (its rows as decodes, as the module path's attention does), bit
+    for bit the module path, past the window of 8."""
+    llm = LLM(gemma3_d32, dtype=dtype, quantization="int8", kv_cache_memory=1 << 24, block_size=8,
+              enable_prefix_caching=False, long_prefill_token_threshold=4)
+    prompts = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": list(range(10, 40))}]
+    chunks: list[bool] = []
+    with_plan, runs = _run(llm, prompts, monkeypatch, plan=True, chunks=chunks)
+    assert sum(chunks) == 7 and 5 in runs  # chunks 2-8 of the prompt, each beside a decode
+    assert with_plan == _run(llm, prompts, monkeypatch, plan=False)[0]
 
 
 def test_unquantized_models_keep_the_module_path(gemma3_d32, monkeypatch):
