@@ -4,13 +4,15 @@ around them (module dispatch, shape checks, output allocation, pointer lookups) 
 step, more than the kernels themselves at batch 1; a plan binds each call's arguments once
 (fixed buffers, raw pointers), so a step only writes its tokens' positions, slots, block tables
 and lengths into the input buffers and runs the calls. There is one plan per number of rows,
-built on that row count's first pure-decode step, all on one set of buffers. The kernels, their
+built on the first step of that row count it takes, all on one set of buffers. Besides decodes,
+a step may carry prompt chunks of up to KERNEL_CHUNK_ROWS tokens after cached context: the
+module path's attention runs their rows as decodes too. The kernels, their
 arguments and their order are those of the module path, so its results are bit-identical to it
 (tests/model_executor/models/test_decode_plan.py).
 
 Built by the models that support it (Gemma 3), only on the C kernel path: one rank, weight-only
-quantized decoder linears in pagedllm's layout, no LoRA, float32 or bf16. Anything else keeps
-the module path.
+quantized decoder linears in pagedllm's layout (a plan takes no more rows than their kernels:
+`linear_max_rows`), no LoRA, float32 or bf16. Anything else keeps the module path.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.forward_context import AttentionMetadata, get_lora_mask
+from pagedllm.forward_context import AttentionMetadata
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.model_executor.layers.attention import KERNEL_CHUNK_MAX_KEYS, KERNEL_CHUNK_ROWS
@@ -222,10 +224,8 @@ class DecodePlans:
     def takes(self, md: AttentionMetadata) -> bool:
         """Whether every row of the step runs as a decode in the module path's attention too:
         decodes, and chunks of at most KERNEL_CHUNK_ROWS rows after cached context over at most
-        KERNEL_CHUNK_MAX_KEYS keys in every layer; and no adapter."""
+        KERNEL_CHUNK_MAX_KEYS keys in every layer. (A model with LoRA layers has no plans.)"""
         max_blocks = self.plans[1].block_table.shape[1]
-        if get_lora_mask() is not None:
-            return False
         if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > max_blocks:
             return False
         for seg in md.prefills:
