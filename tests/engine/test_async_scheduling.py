@@ -6,7 +6,6 @@ bitmask for N + 1 must see step N's token), worker processes, and the server."""
 from __future__ import annotations
 
 import asyncio
-import time
 from functools import partial
 
 import openai
@@ -187,7 +186,7 @@ def test_rejected_with_pipeline_parallel_or_speculation(tiny_llama):
 def test_server(tiny_llama, tmp_path_factory):
     """`pagedllm serve --async-scheduling`: concurrent completions match the synchronous engine,
     and requests cancelled mid-stream leave no KV blocks behind."""
-    from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics, _serve
+    from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics_once_idle, _serve
 
     prompts = [f"Request number {i} says" for i in range(8)]
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
@@ -217,12 +216,7 @@ def test_server(tiny_llama, tmp_path_factory):
 
     try:
         assert asyncio.run(run()) == expected
-        for _ in range(100):
-            metrics = _metrics(url)
-            if metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0:
-                break
-            time.sleep(0.1)
-        assert metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0
+        _metrics_once_idle(url)
     finally:
         serving.close()
 

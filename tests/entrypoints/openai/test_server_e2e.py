@@ -76,6 +76,17 @@ def _metrics(url: str) -> dict[str, float]:
     return values
 
 
+def _metrics_once_idle(url: str) -> dict[str, float]:
+    """The metrics once no request runs and no KV block is in use (asserted within ~5 s)."""
+    for _ in range(100):
+        metrics = _metrics(url)
+        if metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.05)
+    assert metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0
+    return metrics
+
+
 def test_models_and_tokenize(client, server):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.owned_by == "pagedllm" and card.model_extra["max_model_len"] == 256
@@ -189,12 +200,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
         assert next(lines).startswith("data: ")
         mid = _metrics(server)
         assert mid["pagedllm:num_requests_running"] == 1 and mid["pagedllm:kv_cache_usage_perc"] > 0
-    for _ in range(100):
-        after = _metrics(server)
-        if after["pagedllm:num_requests_running"] == 0 and after["pagedllm:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.05)
-    assert after["pagedllm:num_requests_running"] == 0 and after["pagedllm:kv_cache_usage_perc"] == 0
+    after = _metrics_once_idle(server)
     assert after['pagedllm:request_success_total{finished_reason="abort",model_name="tiny"}'] >= 1
 
 
