@@ -170,10 +170,11 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
  * s8 within +-64, so a pair of u8 x s8 products (at most 2 * 255 * 64 = 32640) never
  * saturates vpmaddubsw's int16 sum: 32 products an instruction, where the int16 x int16 path
  * above takes 16. The +128 comes back out through each weight row's sum: dot = sum(u8 * w) -
- * 128 * sum(w). Tiles of 2 weight rows x 4 activation rows, their 8 sums reduced together;
- * a thread takes 16 weight rows, meets them with every block of activation rows (L1), and
- * writes each output row's 16 values together. Integer sums are exact: every build and every
- * batch gives a row the same values. */
+ * 128 * sum(w). Tiles of 2 weight rows x 4 activation rows, their 8 sums reduced together
+ * and scaled in one vector (the K loop has no tail test where K is a multiple of 32); a thread
+ * takes 16 weight rows, meets them with every block of activation rows (L1), and writes each
+ * output row's 16 values together. Integer sums are exact, and the scaling is the same float
+ * operations in every build: every build and every batch gives a row the same values. */
 #define U8_ROW_BLOCK 32
 #define U8_WEIGHT_BLOCK 16
 
@@ -185,12 +186,21 @@ INLINE __m256i u8_wload(const int8_t *p, int64_t left) {
     return _mm256_loadu_si256((const __m256i *)buf);
 }
 
-/* d[j * 4 + r] = xu[r] . w_j for 4 activation rows (kp bytes apart) and weight rows w0, w1. */
-INLINE void u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t *d) {
+/* Lane j * 4 + r = xu[r] . w_j for 4 activation rows (kp bytes apart) and weight rows w0, w1. */
+INLINE __m256i u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_si256();
-    for (int64_t kk = 0; kk < k; kk += 32) {
+    int64_t kfull = k & ~(int64_t)31;
+    for (int64_t kk = 0; kk < kfull; kk += 32) {
+        __m256i wa = _mm256_loadu_si256((const __m256i *)(w0 + kk)), wb = _mm256_loadu_si256((const __m256i *)(w1 + kk));
+        for (int r = 0; r < 4; r++) {
+            __m256i xv = _mm256_load_si256((const __m256i *)(xu + r * kp + kk));
+            a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, wa), ones));
+            a[4 + r] = _mm256_add_epi32(a[4 + r], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, wb), ones));
+        }
+    }
+    for (int64_t kk = kfull; kk < k; kk += 32) {
         __m256i wa = u8_wload(w0 + kk, k - kk), wb = u8_wload(w1 + kk, k - kk);
         for (int r = 0; r < 4; r++) {
             __m256i xv = _mm256_load_si256((const __m256i *)(xu + r * kp + kk));
@@ -201,19 +211,31 @@ INLINE void u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_
     __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
     __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
     __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
-    __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
-    _mm256_storeu_si256((__m256i *)d, s);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+/* tile[j][r0..r0+3] and tile[j1][..] = (sum - 128 * w_sum) * sx * ws for one u8_tile. */
+INLINE void u8_tile_out(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t off0,
+                        int32_t off1, const float *sx, float ws0, float ws1, float *t0, float *t1) {
+    __m256i s = _mm256_sub_epi32(u8_tile(xu, kp, w0, w1, k), _mm256_setr_epi32(off0, off0, off0, off0, off1, off1,
+                                                                                 off1, off1));
+    __m128 sx4 = _mm_loadu_ps(sx);
+    __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set_m128(sx4, sx4)),
+                             _mm256_setr_ps(ws0, ws0, ws0, ws0, ws1, ws1, ws1, ws1));
+    _mm_storeu_ps(t0, _mm256_castps256_ps128(f));
+    _mm_storeu_ps(t1, _mm256_extractf128_ps(f, 1));
 }
 #else
-INLINE void u8_tile(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t *d) {
+INLINE void u8_tile_out(const uint8_t *xu, int64_t kp, const int8_t *w0, const int8_t *w1, int64_t k, int32_t off0,
+                        int32_t off1, const float *sx, float ws0, float ws1, float *t0, float *t1) {
     for (int r = 0; r < 4; r++) {
         int32_t s0 = 0, s1 = 0;
         for (int64_t kk = 0; kk < k; kk++) {
             s0 += (int32_t)xu[r * kp + kk] * w0[kk];
             s1 += (int32_t)xu[r * kp + kk] * w1[kk];
         }
-        d[r] = s0;
-        d[4 + r] = s1;
+        t0[r] = (float)(s0 - off0) * sx[r] * ws0;
+        t1[r] = (float)(s1 - off1) * sx[r] * ws1;
     }
 }
 #endif
@@ -223,7 +245,7 @@ void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t 
     int64_t kp = KPAD(k), m4 = (m + 3) / 4 * 4;  /* rows in fours: the extra ones are zeros (u8 128) */
     int16_t *xq = aligned_alloc(64, (size_t)(m * kp * sizeof(int16_t)));
     uint8_t *xu = aligned_alloc(64, (size_t)(m4 * kp));
-    float *sx = malloc((size_t)m * sizeof(float));
+    float *sx = calloc((size_t)m4, sizeof(float));  /* the padding rows' scales are 0 */
     quantize_rows_i16(x, x_bf16, m, k, 127.0f, xq, sx);  /* s8 values in int16, zero-padded */
     for (int64_t i = 0; i < m * kp; i++) xu[i] = (uint8_t)(xq[i] + 128);
     memset(xu + m * kp, 128, (size_t)((m4 - m) * kp));
@@ -231,7 +253,7 @@ void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t 
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < n; nb += U8_WEIGHT_BLOCK) {
         int64_t nw = n - nb < U8_WEIGHT_BLOCK ? n - nb : U8_WEIGHT_BLOCK;
-        float tile[U8_ROW_BLOCK][U8_WEIGHT_BLOCK];
+        float tile[U8_WEIGHT_BLOCK][U8_ROW_BLOCK];  /* [weight row][activation row] */
         for (int64_t rb = 0; rb < m; rb += U8_ROW_BLOCK) {
             int64_t re = rb + U8_ROW_BLOCK < m ? rb + U8_ROW_BLOCK : m;
             for (int64_t j = 0; j < nw; j += 2) {
@@ -239,17 +261,12 @@ void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t 
                 const int8_t *w0 = w + (nb + j) * k, *w1 = w + (nb + j1) * k;
                 float ws0 = bf16_scalar(w_scale[nb + j]), ws1 = bf16_scalar(w_scale[nb + j1]);
                 int32_t off0 = 128 * w_sum[nb + j], off1 = 128 * w_sum[nb + j1];
-                for (int64_t r0 = rb; r0 < re; r0 += 4) {
-                    int32_t d[8];
-                    u8_tile(xu + r0 * kp, kp, w0, w1, k, d);
-                    for (int r = 0; r < 4 && r0 + r < re; r++) {
-                        tile[r0 - rb + r][j] = (float)(d[r] - off0) * sx[r0 + r] * ws0;
-                        if (j1 != j) tile[r0 - rb + r][j1] = (float)(d[4 + r] - off1) * sx[r0 + r] * ws1;
-                    }
-                }
+                for (int64_t r0 = rb; r0 < re; r0 += 4)  /* rows past m: padding, not stored */
+                    u8_tile_out(xu + r0 * kp, kp, w0, w1, k, off0, off1, sx + r0, ws0, ws1, &tile[j][r0 - rb],
+                                &tile[j1][r0 - rb]);
             }
             for (int64_t r = rb; r < re; r++)
-                for (int64_t j = 0; j < nw; j++) store1(y, y_bf16, r * n + nb + j, tile[r - rb][j]);
+                for (int64_t j = 0; j < nw; j++) store1(y, y_bf16, r * n + nb + j, tile[j][r - rb]);
         }
     }
     free(sx);
