@@ -69,22 +69,11 @@ class DecodePlan:
     four norms per layer, fused q/k norm + rotary, sliding and global layers), on the first
     `rows` rows of `buffers`."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, buffers: PlanBuffers | None = None) -> None:
-        lib = cpu_kernels.kernels()
+    def __init__(self, model: torch.nn.Module, rows: int, buffers: PlanBuffers) -> None:
         layers = list(model.layers)
-        if lib is None or not layers or model.start_layer != 0 or model.end_layer != len(layers):
-            raise Unsupported("no C kernels, or a pipeline stage")
-        first = layers[0].self_attn
-        dtype = model.embed_tokens.weight.dtype
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise Unsupported(f"dtype {dtype}")
-        if first.attn.kv_cache.numel() == 0:
-            raise Unsupported("no KV cache bound")
-        self.rows, self.dtype, self.nthreads = rows, dtype, torch.get_num_threads()
-        self.embed, self.embed_scale = model.embed_tokens, torch.tensor(model.embed_scale, dtype=dtype)
-        self.kv_ptr = first.attn.kv_cache.data_ptr()
-        self.block_size = first.attn.kv_cache.shape[2]
-        buffers = buffers or PlanBuffers(model, rows, dtype)
+        self.rows, self.dtype, self.nthreads = rows, buffers.hidden.dtype, torch.get_num_threads()
+        self.embed = model.embed_tokens
+        self.embed_scale = torch.tensor(model.embed_scale, dtype=self.dtype)
         self.buffers = buffers  # the calls point into it
         # per-step inputs, written in place
         self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
@@ -172,14 +161,9 @@ class DecodePlan:
 
     # -- running --
 
-    def accepts(self, input_ids: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        """Whether this step is one the plan was built for (`DecodePlans.takes` checked its
-        kinds of rows): `rows` tokens, the same KV cache and thread count."""
-        return (
-            input_ids.numel() == self.rows
-            and kv_cache.data_ptr() == self.kv_ptr
-            and torch.get_num_threads() == self.nthreads
-        )
+    def accepts(self, input_ids: torch.Tensor) -> bool:
+        """Whether this step has the plan's row count (`DecodePlans` checked the rest)."""
+        return input_ids.numel() == self.rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens: decodes, and the
@@ -211,12 +195,21 @@ class DecodePlans:
     cache or the thread count changes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        """Raises Unsupported where the model can run no plan."""
+        layers = list(model.layers)
+        if cpu_kernels.kernels() is None or not layers or model.start_layer != 0 or model.end_layer != len(layers):
+            raise Unsupported("no C kernels, or a pipeline stage")
+        dtype = model.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported(f"dtype {dtype}")
+        kv_cache = layers[0].self_attn.attn.kv_cache
+        if kv_cache.numel() == 0:
+            raise Unsupported("no KV cache bound")
         self.model = model
-        kv_cache = model.layers[0].self_attn.attn.kv_cache
         self.kv_ptr, self.nthreads = kv_cache.data_ptr(), torch.get_num_threads()
-        self.plans = {1: DecodePlan(model, 1)}  # raises Unsupported where no plan can run
-        self.windows = {layer.self_attn.attn.sliding_window for layer in model.layers}
-        self.buffers: PlanBuffers | None = None
+        self.windows = {layer.self_attn.attn.sliding_window for layer in layers}
+        self.buffers = PlanBuffers(model, MAX_PLAN_ROWS, dtype)
+        self.plans = {1: DecodePlan(model, 1, self.buffers)}  # raises Unsupported for the model's layers
 
     def valid(self, kv_cache: torch.Tensor) -> bool:
         return kv_cache.data_ptr() == self.kv_ptr and torch.get_num_threads() == self.nthreads
@@ -240,8 +233,6 @@ class DecodePlans:
         above MAX_PLAN_ROWS or the decoder kernels' own row limit."""
         plan = self.plans.get(rows)
         if plan is None and 1 < rows <= MAX_PLAN_ROWS:
-            if self.buffers is None:
-                self.buffers = PlanBuffers(self.model, MAX_PLAN_ROWS, self.plans[1].dtype)
             try:
                 plan = DecodePlan(self.model, rows, self.buffers)
             except Unsupported:

@@ -155,7 +155,7 @@ class Gemma3Model(nn.Module):
         if not plans.takes(md):
             return None
         plan = plans.get(input_ids.numel())
-        return plan if plan is not None and plan.accepts(input_ids, md, kv_cache) else None
+        return plan if plan is not None and plan.accepts(input_ids) else None
 
 
 class Gemma3ForCausalLM(nn.Module):
