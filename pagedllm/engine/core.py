@@ -67,58 +67,35 @@ class EngineCore:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [EngineCoreOutput(r.request_id, [], "abort") for r in finished]
 
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline parallel: `step` keeps several steps in flight and takes the oldest one's
+        output only when the queue is full, so callers step this core whole rather than through
+        `begin_step` / `finish_step`."""
+        return self.batch_queue_size > 1 and not self.async_scheduling
+
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, or a step in flight whose output is still to be taken."""
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
-        if self.async_scheduling:
-            return self.step_async()
-        if self.batch_queue_size > 1:
+        if self.pipelined:
             return self.step_with_batch_queue()
         return self.finish_step(self.begin_step())
 
-    def step_async(self) -> EngineCoreOutputs:
-        """Async scheduling: schedule step N + 1 and send its forward pass before step N's tokens
-        are back (its requests' tokens from step N are placeholders, which the workers fill in
-        from their own samples), then take step N's output, and only then build N + 1's grammar
-        bitmask, from grammars that have seen step N's tokens. The workers (processes: see
-        `check_async_scheduling`) go from one step to the next without waiting for the engine
-        core's update and scheduling, and step N's tokens are out while N + 1 runs."""
-        sched_out = self.scheduler.schedule()
-        self._record_scheduled(sched_out)
-        outputs = self.scheduler.take_pending_outputs()
-        if sched_out.is_empty:
-            outputs += self._finish_steps_in_flight()
-            if not outputs and self.scheduler.has_unfinished_requests():
-                time.sleep(0.001)
-            return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
-        self.model_executor.execute_model(sched_out)
-        grammar_output = None
+    def _finish_step_in_flight(self) -> list[EngineCoreOutput]:
+        """Update from the step in flight, if any (async scheduling keeps at most one). If taking
+        its output raises, the step is forgotten (its tokens are lost: whoever catches the error
+        aborts its requests, as `LLM` does, or the engine fails)."""
+        if not self.batch_queue:
+            return []
+        prev_out, future = self.batch_queue.popleft()
         try:
-            outputs += self._finish_steps_in_flight()
-            grammar_output = self.get_grammar_output(sched_out)
-        finally:
-            # Even when the above raised (e.g. Ctrl-C while waiting), every forward pass sent is
-            # followed by its sampling, so the workers' steps stay paired.
-            future = self.model_executor.sample_tokens(grammar_output, non_block=True)
-            self.batch_queue.append((sched_out, future))
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
-
-    def _finish_steps_in_flight(self) -> list[EngineCoreOutput]:
-        """Update from the step in flight. If taking its output raises, the step is forgotten
-        (its tokens are lost: whoever catches the error aborts its requests, as `LLM` does, or
-        the engine fails)."""
-        outputs: list[EngineCoreOutput] = []
-        while self.batch_queue:
-            prev_out, future = self.batch_queue.popleft()
-            try:
-                runner_out = future.result()
-            except BaseException:
-                self.scheduler.forget_step(prev_out)
-                raise
-            outputs += self.scheduler.update_from_output(prev_out, runner_out)
-        return outputs
+            runner_out = future.result()
+        except BaseException:
+            self.scheduler.forget_step(prev_out)
+            raise
+        return self.scheduler.update_from_output(prev_out, runner_out)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Keep up to `batch_queue_size` steps in flight: schedule and send a step (forward and
@@ -145,7 +122,8 @@ class EngineCore:
 
     def begin_step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """Schedule and start the forward pass. With worker processes it runs while the caller
-        goes on (data-parallel engine cores in one process start theirs side by side)."""
+        goes on (data-parallel engine cores in one process start theirs side by side). Under
+        async scheduling this is step N + 1, sent while step N is still in flight."""
         sched_out = self.scheduler.schedule()
         self._record_scheduled(sched_out)
         outputs = self.scheduler.take_pending_outputs()
@@ -166,13 +144,35 @@ class EngineCore:
 
     def finish_step(self, begun: tuple[SchedulerOutput, list[EngineCoreOutput]]) -> EngineCoreOutputs:
         sched_out, outputs = begun
-        if not sched_out.is_empty:
+        if self.async_scheduling:
+            outputs += self._finish_step_async(sched_out)
+        elif not sched_out.is_empty:
             grammar_out = self.get_grammar_output(sched_out)  # overlaps the forward pass
             runner_out = self.model_executor.sample_tokens(grammar_out)
             outputs += self.scheduler.update_from_output(sched_out, runner_out)
-        elif not outputs and self.scheduler.has_unfinished_requests():
+        if not outputs and sched_out.is_empty and self.scheduler.has_unfinished_requests():
             time.sleep(0.001)  # only grammars compiling: do not spin a core against the compiler
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _finish_step_async(self, sched_out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Async scheduling: `begin_step` sent step N + 1's forward pass before step N's tokens
+        are back (its requests' tokens from step N are placeholders, which the workers fill in
+        from their own samples). Take step N's output, and only then build N + 1's grammar
+        bitmask, from grammars that have seen step N's tokens. The workers (processes: see
+        `check_async_scheduling`) go from one step to the next without waiting for the engine
+        core's update and scheduling, and step N's tokens are out while N + 1 runs."""
+        if sched_out.is_empty:
+            return self._finish_step_in_flight()
+        grammar_output = None
+        try:
+            outputs = self._finish_step_in_flight()
+            grammar_output = self.get_grammar_output(sched_out)
+        finally:
+            # Even when the above raised (e.g. Ctrl-C while waiting), every forward pass sent is
+            # followed by its sampling, so the workers' steps stay paired.
+            future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            self.batch_queue.append((sched_out, future))
+        return outputs
 
     def get_grammar_output(self, sched_out: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask of what each constrained request may sample next (None: no request

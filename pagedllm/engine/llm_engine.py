@@ -18,6 +18,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.protocol import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -73,21 +74,28 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         busy = [core for core in self.engine_cores if core.has_unfinished_requests()] or self.engine_cores[:1]
-        if busy[0].batch_queue_size > 1:  # pipeline parallel: each core keeps its own steps in flight
-            finish = [core.step for core in busy]
-        else:
-            finish = [partial(core.finish_step, core.begin_step()) for core in busy]
+        # Pipeline parallel: each core keeps its own steps in flight. Otherwise every core's
+        # forward pass is sent before any is waited for.
+        pipelined = busy[0].pipelined
+        finish = [core.step if pipelined else partial(core.finish_step, core.begin_step()) for core in busy]
         request_outputs = []
-        for step in finish:
-            outputs = step()
-            for out in outputs.outputs:
-                if out.finish_reason is not None:
-                    self.balancer.finished(out.request_id)
-            result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
-            if result.reqs_to_abort:
-                self._abort_in_cores(result.reqs_to_abort)
-            request_outputs += result.request_outputs
+        for i, step in enumerate(finish):
+            try:
+                request_outputs += self._process(step())
+            except BaseException:
+                for rest in [] if pipelined else finish[i + 1:]:
+                    self._process(rest())  # every forward pass sent is followed by its sampling call
+                raise
         return request_outputs
+
+    def _process(self, outputs: EngineCoreOutputs) -> list[RequestOutput | PoolingRequestOutput]:
+        for out in outputs.outputs:
+            if out.finish_reason is not None:
+                self.balancer.finished(out.request_id)
+        result = self.frontend.process_outputs(outputs.outputs, outputs.timestamp)
+        if result.reqs_to_abort:
+            self._abort_in_cores(result.reqs_to_abort)
+        return result.request_outputs
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -16,7 +16,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.abstract import WorkerDiedError
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -34,7 +34,7 @@ def _ranks(server_pid: int) -> list[psutil.Process]:
 def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, tmp_path_factory):
     procs: list = []
     before = _worker_dirs()
-    serving = _serve(tiny_llama, tmp_path_factory, procs, extra_args=("--tensor-parallel-size", "2"))
+    serving = serve_tiny(tiny_llama, tmp_path_factory, procs, extra_args=("--tensor-parallel-size", "2"))
     url = next(serving)
     try:
         descendants = psutil.Process(procs[0].pid).children(recursive=True)

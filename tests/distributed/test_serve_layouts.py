@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 PROMPTS = ["Hello, my name is", "The sky is", "One two three", "Paris is"]
 
@@ -33,7 +33,7 @@ def reference(tiny_llama) -> list[str]:
 
 @pytest.mark.parametrize("layout", [("--data-parallel-size", "2"), ("--pipeline-parallel-size", "2")])
 def test_served_layout_answers_as_one_rank(tiny_llama, tmp_path_factory, reference, layout):
-    serving = _serve(tiny_llama, tmp_path_factory, extra_args=layout)
+    serving = serve_tiny(tiny_llama, tmp_path_factory, extra_args=layout)
     url = next(serving)
     try:
         assert asyncio.run(_complete_all(url)) == reference

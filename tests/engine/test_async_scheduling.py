@@ -69,7 +69,11 @@ def _stop_token(model: str) -> int:
     return next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
 
 
-@pytest.mark.parametrize("layout", [{}, dict(tensor_parallel_size=2)], ids=["one_rank", "tp2"])
+LAYOUTS = pytest.mark.parametrize("layout", [{}, dict(tensor_parallel_size=2), dict(data_parallel_size=2)],
+                                  ids=["one_rank", "tp2", "dp2"])
+
+
+@LAYOUTS
 def test_same_outputs_as_sync(tiny_llama, layout):
     sampling = _params(_stop_token(tiny_llama))
     expected = _run(tiny_llama, False, PROMPTS, sampling, **layout)  # TP's all-reduce rounds its own way
@@ -119,17 +123,19 @@ def test_reused_request_id_waits_for_the_step_in_flight(tiny_llama):
     assert [final[i].outputs[0].token_ids for i in ("x", "y")] == expected[1:]
 
 
-def test_interrupted_wait_leaves_the_engine_usable(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("layout", [{}, dict(data_parallel_size=2)], ids=["one_rank", "dp2"])
+def test_interrupted_wait_leaves_the_engine_usable(tiny_llama, monkeypatch, layout):
     """Ctrl-C while the engine core waits for a step: generate() aborts its requests, and the next
-    call gives the same outputs as before (the workers' forward and sampling calls stay paired)."""
-    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, async_scheduling=True)
+    call gives the same outputs as before (the workers' forward and sampling calls stay paired,
+    also those of the data-parallel cores whose step the interrupted one came before)."""
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, async_scheduling=True, **layout)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     calls, result = [0], StepFuture.result
 
     def interrupted(self):
         calls[0] += 1
-        if calls[0] == 4:
+        if calls[0] == 3:  # with two data-parallel cores: core 0, whose core 1 has a step to sample
             raise KeyboardInterrupt
         return result(self)
 
@@ -186,14 +192,14 @@ def test_rejected_with_pipeline_parallel_or_speculation(tiny_llama):
 def test_server(tiny_llama, tmp_path_factory):
     """`pagedllm serve --async-scheduling`: concurrent completions match the synchronous engine,
     and requests cancelled mid-stream leave no KV blocks behind."""
-    from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics_once_idle, _serve
+    from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, metrics_once_idle, serve_tiny
 
     prompts = [f"Request number {i} says" for i in range(8)]
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
     expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
     llm.llm_engine.shutdown()
-    serving = _serve(tiny_llama, tmp_path_factory, extra_args=("--async-scheduling",))
+    serving = serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--async-scheduling",))
     url = next(serving)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
 
@@ -216,7 +222,7 @@ def test_server(tiny_llama, tmp_path_factory):
 
     try:
         assert asyncio.run(run()) == expected
-        _metrics_once_idle(url)
+        metrics_once_idle(url)
     finally:
         serving.close()
 

@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from pagedllm.entrypoints.cli.main import main
-from tests.entrypoints.openai.test_server_e2e import API_KEY, AUTH, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, serve_tiny
 
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]
 ENV = {**os.environ, "PYTHONIOENCODING": "utf-8", "OPENAI_API_KEY": "", "PAGEDLLM_API_KEY": ""}
-# --max-model-len and --served-model-name are on the command line too (_serve): theirs win.
+# --max-model-len and --served-model-name are on the command line too (serve_tiny): theirs win.
 CONFIG = """\
 max-model-len: 128
 served-model-name: [from-the-file]
@@ -34,7 +34,7 @@ enable-prefix-caching: false
 def server(tiny_llama, tmp_path_factory):
     cfg = tmp_path_factory.mktemp("cfg") / "serve.yaml"
     cfg.write_text(CONFIG)
-    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--config", str(cfg)))
+    yield from serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--config", str(cfg)))
 
 
 def test_serve_config_file(server):

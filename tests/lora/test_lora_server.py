@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.test_server_e2e import API_KEY, AUTH, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, serve_tiny
 from tests.utils import assert_greedy_match, free_port
 
 peft = pytest.importorskip("peft")
@@ -43,10 +43,10 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory, adapters):
     poem = json.dumps({"name": "poem", "path": adapters["poem"], "base_model_name": MODEL})
-    yield from _serve(tiny_llama, tmp_path_factory,
-                      extra_args=("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-                                  "--lora-modules", f"sql={adapters['sql']}", poem),
-                      env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    yield from serve_tiny(tiny_llama, tmp_path_factory,
+                          extra_args=("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+                                      "--lora-modules", f"sql={adapters['sql']}", poem),
+                          env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 from tests.utils import build_tokenizer, tiny_config
 
 PROMPTS = [[5, 17, 33, 2, 90], [44, 3], list(range(10, 70)), [7]]
@@ -57,7 +57,7 @@ def test_classify_equals_transformers(tmp_path, build):
 def test_classify_route(tmp_path, tmp_path_factory):
     path = _bert_classifier(str(tmp_path))
     expected = [o.outputs.probs for o in LLM(path, dtype="float32").classify(PROMPTS[:2], use_tqdm=False)]
-    serving = _serve(path, tmp_path_factory)
+    serving = serve_tiny(path, tmp_path_factory)
     url = next(serving)
     try:
         r = httpx.post(f"{url}/classify", headers={"Authorization": f"Bearer {API_KEY}"},
@@ -103,7 +103,7 @@ def test_cross_encoder_scores_pairs_with_token_types(tmp_path, tmp_path_factory)
     ref = CrossEncoder(path, device="cpu").predict([(query, d) for d in docs])  # sigmoid of the one logit
     outs = LLM(path, dtype="float32").score(query, docs, use_tqdm=False)
     assert torch.allclose(torch.tensor([o.outputs.score for o in outs]), torch.tensor(ref), atol=1e-5)
-    serving = _serve(path, tmp_path_factory)
+    serving = serve_tiny(path, tmp_path_factory)
     url = next(serving)
     try:
         r = httpx.post(f"{url}/v1/rerank", headers={"Authorization": f"Bearer {API_KEY}"},

@@ -12,14 +12,14 @@ import openai
 import pytest
 
 from pagedllm.transformers_utils.default_model import resolve_default_pooling_model
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from _serve(resolve_default_pooling_model(), tmp_path_factory, extra_args=("--runner", "pooling"))
+    yield from serve_tiny(resolve_default_pooling_model(), tmp_path_factory, extra_args=("--runner", "pooling"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, read_metrics, serve_tiny
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -19,7 +19,7 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama, tmp_path_factory):
-    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", NGRAM))
+    yield from serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", NGRAM))
 
 
 def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
@@ -33,7 +33,7 @@ def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
     assert len(full.choices[0].logprobs.tokens) == 32 and full.usage.completion_tokens == 32
     streamed = "".join(c.choices[0].text for c in client.completions.create(**params, stream=True) if c.choices)
     assert streamed == offline.text
-    m = _metrics(spec_server)
+    m = read_metrics(spec_server)
     assert m["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert m["pagedllm:spec_decode_num_accepted_tokens_total"] > 0
     assert 0 < m["pagedllm:spec_decode_acceptance_rate"] <= 1

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 from tests.structured_output.conftest import CHOICES, GRAMMAR, GRAMMAR_RE, REGEX, SCHEMA
 
 MSGS = [{"role": "user", "content": "Describe a cat as JSON."}]
@@ -22,7 +22,7 @@ SAMPLE = dict(n=3, temperature=1.0, seed=11, max_tokens=150)
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     # a tiny model: one thread is fastest, whatever else runs
-    yield from _serve(tiny_llama, tmp_path_factory, env={"OMP_NUM_THREADS": "1"})
+    yield from serve_tiny(tiny_llama, tmp_path_factory, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

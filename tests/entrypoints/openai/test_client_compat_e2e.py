@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BOS, EOS = 1, 2
@@ -41,8 +41,9 @@ def bos_model(tiny_llama, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(bos_model, tmp_path_factory):
-    yield from _serve(bos_model, tmp_path_factory,
-                      extra_args=("--served-model-name", MODEL, "org/tiny", "--enable-tokenizer-info-endpoint"))
+    yield from serve_tiny(bos_model, tmp_path_factory,
+                          extra_args=("--served-model-name", MODEL, "org/tiny",
+                                      "--enable-tokenizer-info-endpoint"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.openai.fake_engine import FakeEngine
-from tests.entrypoints.openai.test_server_e2e import API_KEY, AUTH, MODEL, _metrics, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, read_metrics, serve_tiny
 from tests.utils import free_port, make_tiny_model
 
 NUM_CLIENTS = 5
@@ -48,8 +48,8 @@ def dash_server(tmp_path_factory):
     # A deeper tiny model and the longest requests it allows: each lasts seconds, so most of the
     # page's polls fall between two requests finishing, when the queues have one right answer.
     model = make_tiny_model(str(tmp_path_factory.mktemp("deep_llama")), "llama", num_hidden_layers=12)
-    yield from _serve(model, tmp_path_factory, extra_args=("--max-num-seqs", str(MAX_NUM_SEQS),
-                                                           "--max-model-len", "512"))
+    yield from serve_tiny(model, tmp_path_factory, extra_args=("--max-num-seqs", str(MAX_NUM_SEQS),
+                                                               "--max-model-len", "512"))
 
 
 @pytest.fixture
@@ -105,11 +105,11 @@ def test_dashboard_in_chromium(browser, dash_server, load, tmp_path):
 
     stable, samples = 0, []
     for _ in range(SAMPLES):
-        before = _metrics(dash_server)
+        before = read_metrics(dash_server)
         renders = page.evaluate("Number(document.body.dataset.renders)")
         page.wait_for_function(f"Number(document.body.dataset.renders) > {renders}", timeout=10_000)
         dom = page.evaluate(DOM_COUNTS)
-        after = _metrics(dash_server)
+        after = read_metrics(dash_server)
         samples.append((before, dom, after))
         # What the page draws agrees with itself: in-use cells belong to the running requests.
         assert dom["running"] == len(dom["running_ids"]) and set(dom["owners"]) <= set(dom["running_ids"])

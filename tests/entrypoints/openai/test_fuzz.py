@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 64
@@ -36,8 +36,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama, tmp_path_factory):
     # LoRA on, with the runtime adapter routes, so that they are documented and fuzzed too.
-    yield from _serve(tiny_llama, tmp_path_factory, extra_args=("--max-model-len", str(MAX_MODEL_LEN), "--enable-lora"),
-                      env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    yield from serve_tiny(tiny_llama, tmp_path_factory,
+                          extra_args=("--max-model-len", str(MAX_MODEL_LEN), "--enable-lora"),
+                          env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 
 @pytest.fixture(scope="module")

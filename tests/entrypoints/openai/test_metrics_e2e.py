@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.openai.test_server_e2e import AUTH, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import AUTH, MODEL, serve_tiny
 
 REQUESTS = [("Hello, my name is", 5), ("The quick brown fox", 7), ("Once upon a time there was", 9)]
 STATS_LINE = re.compile(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
@@ -24,7 +24,7 @@ PER_REQUEST = ("request_prompt_tokens", "request_generation_tokens", "request_pa
 
 def _server(tiny_llama, tmp_path_factory, *args: str):
     logs: list = []
-    for url in _serve(tiny_llama, tmp_path_factory, extra_args=args, logs=logs):
+    for url in serve_tiny(tiny_llama, tmp_path_factory, extra_args=args, logs=logs):
         yield url, logs[0]
 
 

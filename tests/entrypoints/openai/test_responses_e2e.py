@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _metrics, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, read_metrics, serve_tiny
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 THINK_OFF_TEMPLATE = CHAT_TEMPLATE.replace("assistant:", "assistant:<think>\n\n</think>\n\n")
@@ -31,7 +31,7 @@ GREEDY = dict(temperature=0, max_output_tokens=12, extra_body={"ignore_eos": Tru
 def server(tiny_qwen3_think, tmp_path_factory):
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
              "--trust-request-chat-template", "--chat-template", THINK_OFF_TEMPLATE)
-    yield from _serve(tiny_qwen3_think, tmp_path_factory, extra_args=flags)
+    yield from serve_tiny(tiny_qwen3_think, tmp_path_factory, extra_args=flags)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def client(server) -> openai.OpenAI:
 
 def _kv_released(server: str) -> None:
     for _ in range(200):
-        m = _metrics(server)
+        m = read_metrics(server)
         if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:kv_cache_usage_perc"] == 0:
             return
         time.sleep(0.05)
@@ -353,13 +353,13 @@ def test_openai_agents_run_calls_the_tool(server):
 def test_sqlite_store_survives_a_restart(tiny_llama, tmp_path_factory, tmp_path):
     """--responses-store sqlite:///...: a stored response, its stream and a conversation outlive the server."""
     flags = ("--responses-store", f"sqlite:///{tmp_path}/responses.db")
-    first = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
+    first = serve_tiny(tiny_llama, tmp_path_factory, extra_args=flags)
     client = openai.OpenAI(base_url=f"{next(first)}/v1", api_key=API_KEY, max_retries=0)
     resp = client.responses.create(model=MODEL, input="Hello", **GREEDY)
     conv = client.conversations.create(items=[{"role": "user", "content": "Remember me"}])
     first.close()  # the server process stops
 
-    second = _serve(tiny_llama, tmp_path_factory, extra_args=flags)
+    second = serve_tiny(tiny_llama, tmp_path_factory, extra_args=flags)
     client = openai.OpenAI(base_url=f"{next(second)}/v1", api_key=API_KEY, max_retries=0)
     try:
         got = client.responses.retrieve(resp.id)

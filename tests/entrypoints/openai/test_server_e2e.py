@@ -5,86 +5,26 @@ client disconnects freeing KV blocks, and 32 concurrent requests."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.utils import free_port, wait_healthy
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, metrics_once_idle, read_metrics, serve_tiny
 
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MODEL = "tiny"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, my name is"}]
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    yield from _serve(tiny_llama, tmp_path_factory)
-
-
-def _serve(tiny_llama, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None, logs: list | None = None):
-    """Start `pagedllm serve` on the model, yield its URL once healthy, stop it afterwards. `env`:
-    variables for the server process on top of this one's; `logs` gets the path of its output."""
-    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", MODEL,
-           "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
-           "--uvicorn-log-level", "warning", *extra_args]
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    if logs is not None:
-        logs.append(log)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PAGEDLLM_API_KEY": "", **(env or {})})
-    if procs is not None:
-        procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    yield from serve_tiny(tiny_llama, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-
-
-def _metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
-        if line.startswith("pagedllm:"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0] if "finished_reason" not in name else name] = float(value)
-    return values
-
-
-def _metrics_once_idle(url: str) -> dict[str, float]:
-    """The metrics once no request runs and no KV block is in use (asserted within ~5 s)."""
-    for _ in range(100):
-        metrics = _metrics(url)
-        if metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.05)
-    assert metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0
-    return metrics
 
 
 def test_models_and_tokenize(client, server):
@@ -198,9 +138,9 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        mid = _metrics(server)
+        mid = read_metrics(server)
         assert mid["pagedllm:num_requests_running"] == 1 and mid["pagedllm:kv_cache_usage_perc"] > 0
-    after = _metrics_once_idle(server)
+    after = metrics_once_idle(server)
     assert after['pagedllm:request_success_total{finished_reason="abort",model_name="tiny"}'] >= 1
 
 
@@ -216,7 +156,7 @@ def test_32_concurrent_requests(server):
     results = asyncio.run(run())
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8 for r in results)
     assert len({r.id for r in results}) == 32
-    m = _metrics(server)
+    m = read_metrics(server)
     assert m["pagedllm:generation_tokens_total"] >= 256 and m["pagedllm:time_to_first_token_seconds_count"] >= 32
 
 
@@ -229,13 +169,13 @@ def test_bench_serve_against_real_server(server):
         base_url=server, model=None, api_key=API_KEY, num_prompts=6, input_len=8, random_prefix_len=40, output_len=5,
         request_rate=float("inf"), max_concurrency=2, seed=0, output_json=None,
     )
-    hits = _metrics(server).get("pagedllm:prefix_cache_hits_total", 0.0)
+    hits = read_metrics(server).get("pagedllm:prefix_cache_hits_total", 0.0)
     m = run_bench_serve(args)
     assert m["completed"] == 6 and m["failed"] == 0
     assert m["total_output_tokens"] == 6 * 5
     # The shared 40-token prefix is two full 16-token blocks: the four requests after the first
     # two (which run together, before any block is cached) find them in the prefix cache.
-    assert _metrics(server)["pagedllm:prefix_cache_hits_total"] - hits >= 4 * 32
+    assert read_metrics(server)["pagedllm:prefix_cache_hits_total"] - hits >= 4 * 32
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert m["mean_tpot_ms"] > 0 and m["output_throughput"] > 0
 
@@ -246,7 +186,7 @@ def test_engine_core_death_gives_503_and_unhealthy(tiny_llama, tmp_path_factory)
     import psutil
 
     procs: list = []
-    gen = _serve(tiny_llama, tmp_path_factory, procs)
+    gen = serve_tiny(tiny_llama, tmp_path_factory, procs)
     url = next(gen)
     try:
         (core,) = [c for c in psutil.Process(procs[0].pid).children() if "core_proc" in " ".join(c.cmdline())]

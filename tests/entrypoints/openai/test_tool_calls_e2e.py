@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
 WEATHER = {
     "type": "object",
@@ -38,7 +38,7 @@ def client(tiny_qwen3_think, tmp_path_factory):
     # the first token, so the tool-call grammars apply from it.
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
              "--trust-request-chat-template", "--chat-template", THINK_OFF_TEMPLATE)
-    gen = _serve(tiny_qwen3_think, tmp_path_factory, extra_args=flags)
+    gen = serve_tiny(tiny_qwen3_think, tmp_path_factory, extra_args=flags)
     url = next(gen)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
     gen.close()

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.openai.test_server_e2e import API_KEY, MODEL, _serve
+from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 from tests.utils import build_tokenizer, tiny_config
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
@@ -41,9 +41,9 @@ def tool_model(tmp_path_factory) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def server(tool_model, tmp_path_factory):
-    yield from _serve(tool_model[0], tmp_path_factory, extra_args=("--tool-choice-auto-grammar",
-                                                                   "--max-parallel-tool-calls", "3"),
-                      env={"OMP_NUM_THREADS": "1"})
+    yield from serve_tiny(tool_model[0], tmp_path_factory, extra_args=("--tool-choice-auto-grammar",
+                                                                       "--max-parallel-tool-calls", "3"),
+                          env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
