@@ -22,8 +22,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.models import decode_plan
 
-KERNELS = ["w8a16_linear", "w4a16_linear", "paged_decode_attention", "rms_norm", "topk_indices", "rescore_logits",
-           "act_and_mul", "argmax_rows", "qk_norm_rope"]
+KERNELS = ["w8a16_linear", "w4a16_linear", "u8s8_rank", "paged_decode_attention", "rms_norm", "topk_indices",
+           "rescore_logits", "act_and_mul", "argmax_rows", "qk_norm_rope"]
 
 
 def _timed_kernels(acc: collections.Counter) -> None:
@@ -78,6 +78,8 @@ def main() -> None:
             label = "plan  " if plan_on else "module"
             print(f"{label}: {step:6.2f} ms/step, kernels {kernels:6.2f} ms, the rest {step - kernels:6.2f} ms"
                   f" ({len(plans)} plan steps)")
+            if not plan_on:
+                print("        " + ", ".join(f"{name} {t / args.tokens * 1e3:.2f}" for name, t in acc.most_common()))
 
 
 if __name__ == "__main__":
