@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pagedllm.entrypoints.cli.bench_compare import MATPLOTLIB_MISSING, _endpoint, format_table, run_bench_compare
-from pagedllm.entrypoints.cli.bench_serve import _prompts, _tokenize
+from pagedllm.entrypoints.cli.bench_serve import _one, _prompts, _tokenize
 from pagedllm.entrypoints.cli.main import build_parser, main
 
 
@@ -94,3 +94,23 @@ def test_tokenize_falls_back_to_llama_cpp():
     assert asyncio.run(run(llama_server)) == [5, 6, 7]
     with pytest.raises(ValueError, match="no /tokenize"):
         asyncio.run(run(lambda request: httpx.Response(404, json={})))
+
+
+def test_a_stream_without_tokens_is_a_failure_that_says_what_came_back():
+    """A stream that ends without a usage chunk (or with 0 completion tokens) fails, and its
+    error says what the server did send."""
+    def server(body: str):
+        return lambda request: httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def run(body: str):
+        args = build_parser().parse_args(["bench", "serve", "--output-len", "4"])
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server(body)), base_url="http://s") as client:
+            return await _one(client, "m", [1, 2, 3], args)
+
+    chunk = 'data: {"choices": [{"text": "hi", "finish_reason": null}]}\n\n'
+    done = 'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+    usage = 'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\n'
+    result = asyncio.run(run(chunk * 2 + done))
+    assert not result.ok and result.error == "no completion tokens: 2 text chunks, finish_reason 'length', usage None"
+    result = asyncio.run(run(chunk * 2 + usage + "data: [DONE]\n\n"))
+    assert result.ok and result.output_tokens == 2 and not result.error and len(result.itl) == 1

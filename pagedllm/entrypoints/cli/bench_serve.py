@@ -96,6 +96,7 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
     }
     result = RequestResult()
     start = last = time.perf_counter()
+    text_chunks, usage, finish = 0, None, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -107,8 +108,12 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
                 if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    result.output_tokens = usage["completion_tokens"]
+                if chunk.get("choices"):
+                    finish = chunk["choices"][0].get("finish_reason") or finish
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    text_chunks += 1
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -116,6 +121,9 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
                     last = now
         result.latency = time.perf_counter() - start
         result.ok = result.output_tokens > 0
+        if not result.ok:  # say what came back, so a peer's failure can be told apart from ours
+            result.error = (f"no completion tokens: {text_chunks} text chunks, finish_reason {finish!r}, "
+                            f"usage {usage!r}")
     except Exception as e:  # a failed request is counted, not fatal to the run
         result.error = f"{type(e).__name__}: {e}"
     return result
