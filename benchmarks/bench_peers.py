@@ -88,15 +88,22 @@ def llama_cpp_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
 
 
 def _compare(gguf: str, workload: list[str], server_args: list[str], urls: list[str] = ()) -> dict[str, dict]:
-    """`pagedllm bench compare`: a `pagedllm serve` it starts itself, plus the servers at `urls`."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        _run(["pagedllm", "bench", "compare", "--model", gguf, f"--server-args={' '.join(server_args)}",
-              *(f for url in urls for f in ("--url", url)), *workload, "--output-json", out.name])
-        results = json.load(open(out.name))
-    failed = {name: m for name, m in results.items() if m.get("failed")}
-    if failed:
-        sys.exit(f"serving run had failed requests: {failed}")
-    return results
+    """`pagedllm bench compare`: a `pagedllm serve` it starts itself, plus the servers at `urls`.
+    A run where any server failed a request is run once more (its table and errors printed);
+    a second such run ends the script."""
+    cmd = ["pagedllm", "bench", "compare", "--model", gguf, f"--server-args={' '.join(server_args)}",
+           *(f for url in urls for f in ("--url", url)), *workload]
+    for attempt in (1, 2):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = subprocess.run([*cmd, "--output-json", out.name], capture_output=True, text=True)
+            results = json.load(open(out.name)) if os.path.getsize(out.name) else {}
+        failed = {name: m.get("first_error") or m.get("error") for name, m in results.items()
+                  if m.get("failed") or m.get("error")}
+        if proc.returncode == 0 and results and not failed:
+            return results
+        print(f"serving run {attempt} had failures: {failed or proc.returncode}\n{proc.stdout[-2000:]}",
+              file=sys.stderr)
+    sys.exit(f"failed twice: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
 
 
 @contextlib.contextmanager

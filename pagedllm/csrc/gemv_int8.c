@@ -3,9 +3,10 @@
 #include "gemv.h"
 
 /* ---------- weight-only int8 linear: y = x @ (q * scale)^T + bias ----------
- * One weight row at a time, for all activation rows: a single sequential stream per thread.
- * (Tiles of 4 weight rows, read side by side, ran at a third of the bandwidth here: the
- * hardware prefetchers follow 4 short interleaved streams poorly.) */
+ * The general path: one weight row at a time, for all activation rows, a single sequential
+ * stream per thread. (Tiles of 4 weight rows, read side by side, ran at a third of the
+ * bandwidth here: the hardware prefetchers follow 4 short interleaved streams poorly.) Where
+ * the arithmetic, not the stream, sets the time (AVX2, 16+ rows), w8_tiles below. */
 
 /* Inputs per chunk for a dot-product instruction taking `per_op` inputs: each int32 lane then
  * sums at most 256 products of 127 * 32767 (~1.07e9 < 2^31) before the chunk's sum moves to
@@ -124,8 +125,8 @@ static void w8_m1(const int16_t *xq, float sx, int64_t k, const int8_t *w, const
 
 #ifdef PL_AVX2
 /* Batches of W8_TILES_MIN_ROWS+ rows: tiles of 2 weight rows x 4 activation rows, one pass
- * over the weight.
- * A thread takes W8_WEIGHT_BLOCK weight rows (in L1) and meets them with every activation row,
+ * over the weight. A thread takes W8_WEIGHT_BLOCK weight rows (in L1 up to k = 2048; the
+ * decoder's shapes) and meets them with every activation row,
  * W8_TILE_ROWS at a time; each activation vector loaded serves both weight rows, and a tile's
  * 8 sums are reduced together (hsum8, vhsum's order) and scaled in one vector. Each sum is the
  * general path's: exact int32 per chunk, converted, reduced and scaled in the same order. */
@@ -184,9 +185,9 @@ static void w8_tiles(const int16_t *xq, const float *sx, int64_t m, int64_t k, c
                 __m256 bv = _mm256_setr_ps(b0, b0, b0, b0, b1, b1, b1, b1);
                 for (int64_t r0 = rb; r0 < re; r0 += 4) {
                     __m256 sum = _mm256_setzero_ps();
-                    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(16))
+                    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK(W8_STEP))
                         sum = _mm256_add_ps(sum, w8_tile(xq + r0 * kp, kp, w0, w1, k0,
-                                                         k0 + I8_CHUNK(16) < k ? k0 + I8_CHUNK(16) : k));
+                                                         k0 + I8_CHUNK(W8_STEP) < k ? k0 + I8_CHUNK(W8_STEP) : k));
                     __m128 sx4 = _mm_loadu_ps(sx + r0);
                     /* (sum * sx) * ws + b, as the general path's scalar expression */
                     __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sum, _mm256_set_m128(sx4, sx4)), ws), bv);
@@ -211,12 +212,13 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
     float *sx = calloc((size_t)m4, sizeof(float));
     quantize_rows_i16(x, x_bf16, m, k, 32767.0f, xq, sx);
 #ifdef PL_AVX2
-    if (m >= W8_TILES_MIN_ROWS || (m == 1 && k <= I8_CHUNK(16))) {
-        if (m == 1)
-            w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
-        else {
+    int tiles = m >= W8_TILES_MIN_ROWS && n >= W8_WEIGHT_BLOCK * nthreads;  /* a block for every thread */
+    if (tiles || (m == 1 && k <= I8_CHUNK(W8_STEP))) {
+        if (tiles) {
             memset(xq + m * kp, 0, (size_t)((m4 - m) * kp * sizeof(int16_t)));
             w8_tiles(xq, sx, m, k, w, w_scale, bias, n, y, y_bf16, nthreads);
+        } else {
+            w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
         }
         free(sx);
         free(xq);
@@ -225,7 +227,8 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
 #endif
     /* Activation rows in blocks of I8_ROW_BLOCK, each a pass over the weight: a block's int16
      * rows stay in L1 while every weight row meets them (32 rows of 640 do not fit: 32 rows through
-     * the 262144 x 640 head took 146 ms in one block and 106 in two, on an AVX2 EPYC). */
+     * the 262144 x 640 head took 146 ms in one block and 106 in two, on an AVX2 EPYC, before
+     * w8_tiles took 16+ rows there). */
     for (int64_t rb = 0; rb < m; rb += I8_ROW_BLOCK) {
         int64_t re = rb + I8_ROW_BLOCK < m ? rb + I8_ROW_BLOCK : m;
 #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -49,12 +50,11 @@ class EngineCore:
         lora = config.lora_config
         self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config,
                                    max_loras=lora.max_loras if lora is not None else None)
-        # Pipeline parallel: steps in flight, oldest first (vLLM's batch queue).
+        # Steps in flight, oldest first (vLLM's batch queue): up to one per pipeline stage, or
+        # under async scheduling the one before the step being scheduled.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self.batch_queue_size
         self.async_scheduling = sched.async_scheduling
-        if self.async_scheduling:
-            self.batch_queue_size = 2  # the step being scheduled and the one before it
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.iteration_tokens = IterationTokens()
 
@@ -72,7 +72,7 @@ class EngineCore:
         """Pipeline parallel: `step` keeps several steps in flight and takes the oldest one's
         output only when the queue is full, so callers step this core whole rather than through
         `begin_step` / `finish_step`."""
-        return self.batch_queue_size > 1 and not self.async_scheduling
+        return self.batch_queue_size > 1
 
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, or a step in flight whose output is still to be taken."""
@@ -83,10 +83,10 @@ class EngineCore:
             return self.step_with_batch_queue()
         return self.finish_step(self.begin_step())
 
-    def _finish_step_in_flight(self) -> list[EngineCoreOutput]:
-        """Update from the step in flight, if any (async scheduling keeps at most one). If taking
-        its output raises, the step is forgotten (its tokens are lost: whoever catches the error
-        aborts its requests, as `LLM` does, or the engine fails)."""
+    def _finish_oldest_step(self) -> list[EngineCoreOutput]:
+        """Update from the oldest step in flight, if any. If taking its output raises, the step is
+        forgotten (its tokens are lost: whoever catches the error aborts its requests, as `LLM`
+        does, or the engine fails)."""
         if not self.batch_queue:
             return []
         prev_out, future = self.batch_queue.popleft()
@@ -96,6 +96,16 @@ class EngineCore:
             self.scheduler.forget_step(prev_out)
             raise
         return self.scheduler.update_from_output(prev_out, runner_out)
+
+    def _drop_oldest_step(self) -> None:
+        """Wait for the oldest step in flight and forget it, its tokens unused."""
+        if not self.batch_queue:
+            return  # its sampling call was never sent
+        prev_out, future = self.batch_queue.popleft()
+        try:
+            future.result()
+        finally:
+            self.scheduler.forget_step(prev_out)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Keep up to `batch_queue_size` steps in flight: schedule and send a step (forward and
@@ -114,8 +124,7 @@ class EngineCore:
                 if len(self.batch_queue) < self.batch_queue_size:
                     return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
         if self.batch_queue:
-            sched_out, future = self.batch_queue.popleft()
-            outputs += self.scheduler.update_from_output(sched_out, future.result())
+            outputs += self._finish_oldest_step()
         elif not outputs and self.scheduler.has_unfinished_requests():
             time.sleep(0.001)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
@@ -147,9 +156,12 @@ class EngineCore:
         if self.async_scheduling:
             outputs += self._finish_step_async(sched_out)
         elif not sched_out.is_empty:
-            grammar_out = self.get_grammar_output(sched_out)  # overlaps the forward pass
-            runner_out = self.model_executor.sample_tokens(grammar_out)
-            outputs += self.scheduler.update_from_output(sched_out, runner_out)
+            try:
+                self._send_sampling(sched_out)  # its grammar bitmask is built while the forward pass runs
+            except BaseException:
+                self._drop_oldest_step()  # sampled without its bitmask: its tokens are not taken
+                raise
+            outputs += self._finish_oldest_step()
         if not outputs and sched_out.is_empty and self.scheduler.has_unfinished_requests():
             time.sleep(0.001)  # only grammars compiling: do not spin a core against the compiler
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
@@ -162,17 +174,23 @@ class EngineCore:
         `check_async_scheduling`) go from one step to the next without waiting for the engine
         core's update and scheduling, and step N's tokens are out while N + 1 runs."""
         if sched_out.is_empty:
-            return self._finish_step_in_flight()
+            return self._finish_oldest_step()
+        outputs: list[EngineCoreOutput] = []
+        self._send_sampling(sched_out, before=lambda: outputs.extend(self._finish_oldest_step()))
+        return outputs
+
+    def _send_sampling(self, sched_out: SchedulerOutput, before: Callable[[], None] | None = None) -> None:
+        """Build the step's grammar bitmask (after `before`) and send its sampling call, queued
+        in the batch queue. Even when that raises (e.g. Ctrl-C while `before` waits), every
+        forward pass sent is followed by its sampling call, so the workers' steps stay paired."""
         grammar_output = None
         try:
-            outputs = self._finish_step_in_flight()
+            if before is not None:
+                before()
             grammar_output = self.get_grammar_output(sched_out)
         finally:
-            # Even when the above raised (e.g. Ctrl-C while waiting), every forward pass sent is
-            # followed by its sampling, so the workers' steps stay paired.
             future = self.model_executor.sample_tokens(grammar_output, non_block=True)
             self.batch_queue.append((sched_out, future))
-        return outputs
 
     def get_grammar_output(self, sched_out: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask of what each constrained request may sample next (None: no request

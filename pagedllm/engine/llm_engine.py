@@ -6,6 +6,8 @@ before finishing any (with worker processes, the ranks compute side by side)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -21,6 +23,8 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -33,6 +37,8 @@ class LLMEngine:
         self.engine_cores = [EngineCore(config) for _ in range(config.parallel_config.data_parallel_size)]
         self.engine_core = self.engine_cores[0]
         self.balancer = DPLoadBalancer(len(self.engine_cores))
+        # Outputs taken from the engine cores by a step that then raised: the next step returns them.
+        self._undelivered: list[RequestOutput | PoolingRequestOutput] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -73,19 +79,29 @@ class LLMEngine:
         return any([core.remove_lora(lora_int_id) for core in self.engine_cores]) or removed
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """One step of every busy engine core. Without pipeline parallel, every core's forward
+        pass is sent before any is waited for. If a core fails (or Ctrl-C), every forward pass
+        sent still gets its sampling call, so the workers stay paired, and outputs already
+        taken from the cores are returned by the next call."""
         busy = [core for core in self.engine_cores if core.has_unfinished_requests()] or self.engine_cores[:1]
-        # Pipeline parallel: each core keeps its own steps in flight. Otherwise every core's
-        # forward pass is sent before any is waited for.
-        pipelined = busy[0].pipelined
-        finish = [core.step if pipelined else partial(core.finish_step, core.begin_step()) for core in busy]
-        request_outputs = []
-        for i, step in enumerate(finish):
-            try:
-                request_outputs += self._process(step())
-            except BaseException:
-                for rest in [] if pipelined else finish[i + 1:]:
-                    self._process(rest())  # every forward pass sent is followed by its sampling call
-                raise
+        request_outputs, self._undelivered = self._undelivered, []
+        finish: list[Callable[[], EngineCoreOutputs]] = []
+        try:
+            if busy[0].pipelined:  # each core keeps its own steps in flight
+                finish = [core.step for core in busy]
+            else:
+                for core in busy:
+                    finish.append(partial(core.finish_step, core.begin_step()))
+            while finish:
+                request_outputs += self._process(finish.pop(0)())
+        except BaseException:
+            self._undelivered = request_outputs
+            for rest in [] if busy[0].pipelined else finish:
+                try:
+                    self._undelivered += self._process(rest())
+                except Exception:
+                    logger.exception("an engine core failed finishing its step after another's error")
+            raise
         return request_outputs
 
     def _process(self, outputs: EngineCoreOutputs) -> list[RequestOutput | PoolingRequestOutput]:
@@ -99,6 +115,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = set(ids)
+        self._undelivered = [out for out in self._undelivered if out.request_id not in aborted]
         self._abort_in_cores(self.frontend.abort(ids))
 
     def _abort_in_cores(self, core_ids: list[str]) -> None:
@@ -108,7 +126,7 @@ class LLMEngine:
                 self.balancer.finished(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(core.has_unfinished_requests() for core in self.engine_cores)
+        return bool(self._undelivered) or any(core.has_unfinished_requests() for core in self.engine_cores)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(core.scheduler.get_num_unfinished_requests() for core in self.engine_cores)

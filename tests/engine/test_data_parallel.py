@@ -15,6 +15,8 @@ from pagedllm.engine import core_launch
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_launch import prestart_core
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.executor.abstract import StepFuture
 from tests.utils import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
@@ -92,3 +94,46 @@ def test_async_engine_spreads_aborts_and_fails_when_a_core_dies(tiny_llama):
     finally:
         engine.shutdown()
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in cores)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_interrupted_core_still_pairs_the_others_and_delivers_their_outputs(tiny_llama, monkeypatch,
+                                                                            async_scheduling):
+    """Ctrl-C while core 0 waits for its step: core 1's step, already sent, is still sampled and
+    taken; a request it finished comes out of the next `step()`, and the engine goes on with
+    the same tokens as without the interruption (the workers' calls stay paired)."""
+    args = EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 24, data_parallel_size=2,
+                      distributed_executor_backend="mp", async_scheduling=async_scheduling)
+    short, long = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), GREEDY
+    expected = [c.token_ids for o in LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24).generate(
+        PROMPTS[:2], [long, short], use_tqdm=False) for c in o.outputs]
+    engine = LLMEngine.from_engine_args(args)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, long)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, short)
+    assert engine.balancer.engine_of == {"a": 0, "b": 1}
+    calls, result = [0], StepFuture.result
+    interrupt_at = 3  # core 0's wait in the step where "b" finishes (core 1's is the 4th)
+
+    def interrupted(self):
+        calls[0] += 1
+        if calls[0] == interrupt_at:
+            raise KeyboardInterrupt
+        return result(self)
+
+    monkeypatch.setattr(StepFuture, "result", interrupted)
+    finished = {}
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "b" not in finished  # taken from core 1, not yet delivered
+    engine.abort_request(["a"])  # its step was lost
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["b"].outputs[0].token_ids == expected[1]
+    engine.add_request("c", {"prompt_token_ids": PROMPTS[0]}, long)
+    engine.add_request("d", {"prompt_token_ids": PROMPTS[1]}, short)
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finished[i].outputs[0].token_ids for i in "cd"] == expected
+    assert all(not core.scheduler.num_steps_in_flight and not core.batch_queue for core in engine.engine_cores)
+    engine.shutdown()

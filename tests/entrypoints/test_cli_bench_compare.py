@@ -35,13 +35,16 @@ def test_endpoints_parse():
 
 
 def test_table_has_a_row_per_system_and_failures_last():
+    llama = {**_metrics(80.5), "completed": 3, "failed": 1, "first_error": "no completion tokens: 0 text chunks"}
     table = format_table({"pagedllm": _metrics(120.0), "vllm": {"error": "ConnectError: refused", "failed": 4},
-                          "llama": _metrics(80.5)})
+                          "llama": llama})
     header, rule, *rows = table.splitlines()
     assert header.split()[:4] == ["System", "OK", "Req/s", "Out"] and set(rule) == {"-"}
     assert rows[0].split() == ["pagedllm", "4/4", "12.00", "120.0", "1.5", "2.2", "3.0", "1.5", "3.0", "1.5", "3.0"]
-    assert rows[1].split()[:4] == ["llama", "4/4", "8.05", "80.5"]
+    assert rows[1].split()[:4] == ["llama", "3/4", "8.05", "80.5"]
     assert rows[2].startswith("vllm") and "failed: ConnectError: refused" in rows[2]
+    assert rows[3].split() == ["llama", "1", "failed,", "the", "first:", "no", "completion", "tokens:", "0", "text",
+                               "chunks"]
 
 
 def test_bad_invocations(capsys, monkeypatch):
@@ -114,3 +117,8 @@ def test_a_stream_without_tokens_is_a_failure_that_says_what_came_back():
     assert not result.ok and result.error == "no completion tokens: 2 text chunks, finish_reason 'length', usage None"
     result = asyncio.run(run(chunk * 2 + usage + "data: [DONE]\n\n"))
     assert result.ok and result.output_tokens == 2 and not result.error and len(result.itl) == 1
+    error = 'data: {"error": {"message": "slot unavailable", "code": 503}}\n\n'
+    result = asyncio.run(run(error + usage.replace("2", "0")))
+    assert not result.ok and result.error == ("no completion tokens: 0 text chunks, finish_reason None, usage "
+                                              "{'completion_tokens': 0}, error {'message': 'slot unavailable', "
+                                              "'code': 503}")

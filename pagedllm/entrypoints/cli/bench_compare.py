@@ -117,6 +117,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines += [f"{name.ljust(widths[0])}  failed: {m['error']}" for name, m in results.items() if m.get("error")]
+    lines += [f"{name.ljust(widths[0])}  {m['failed']} failed, the first: {m['first_error']}"
+              for name, m in results.items() if not m.get("error") and m.get("first_error")]
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
     }
     result = RequestResult()
     start = last = time.perf_counter()
-    text_chunks, usage, finish = 0, None, None
+    text_chunks, usage, finish, error = 0, None, None, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -107,6 +107,8 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
+                if chunk.get("error"):  # a server's error event
+                    error = chunk["error"]
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     result.output_tokens = usage["completion_tokens"]
@@ -123,7 +125,7 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
         result.ok = result.output_tokens > 0
         if not result.ok:  # say what came back, so a peer's failure can be told apart from ours
             result.error = (f"no completion tokens: {text_chunks} text chunks, finish_reason {finish!r}, "
-                            f"usage {usage!r}")
+                            f"usage {usage!r}" + (f", error {error!r}" if error else ""))
     except Exception as e:  # a failed request is counted, not fatal to the run
         result.error = f"{type(e).__name__}: {e}"
     return result

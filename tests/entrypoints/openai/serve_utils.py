@@ -19,14 +19,14 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny"
 
 
-def serve_tiny(tiny_llama, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = (),
+def serve_tiny(model: str, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, logs: list | None = None):
-    """Start `pagedllm serve` on the model, yield its URL once healthy, stop it afterwards. `env`:
+    """Start `pagedllm serve` on `model` (a tiny test model), yield its URL once healthy, stop it afterwards. `env`:
     variables for the server process on top of this one's; `logs` gets the path of its output."""
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", MODEL,
            "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
            "--uvicorn-log-level", "warning", *extra_args]

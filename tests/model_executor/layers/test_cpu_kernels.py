@@ -132,11 +132,13 @@ def test_extreme_activations(method):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(96, 256), (101, 640), (13, 2176)])  # 2176: past one int8 chunk
+# 2176: past one int8 chunk; 100 and 2180: a partial last step (and chunk)
+@pytest.mark.parametrize("n, k", [(96, 256), (101, 640), (13, 2176), (37, 100), (40, 2180)])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_rows_do_not_depend_on_their_batch(method, n, k, dtype):
     """Each activation row is quantized alone and accumulated alone: bit-identical results
-    whatever else is in the call (a lone row takes the batch-1 fast paths)."""
+    whatever else is in the call (a lone row takes the batch-1 fast paths; with AVX2, 16 rows
+    or more take the int8 tiles, fewer the general path)."""
     w = _rand(n, k, scale=0.05)
     quant = qz.quantize_weight(w, method, max_rows=8, write_back=False)
     assert quant.layout == ("pagedllm" if KERNELS else "torch")
