@@ -48,10 +48,10 @@ def main() -> None:
     acc: collections.Counter = collections.Counter()
     _timed_kernels(acc)
     plans: list[decode_plan.DecodePlan] = []
-    real_run, real_accepts = decode_plan.DecodePlan.run, decode_plan.DecodePlan.accepts
+    real_run, real_takes = decode_plan.DecodePlan.run, decode_plan.DecodePlans.takes
     use_plan = [True]
     decode_plan.DecodePlan.run = lambda self, *a: plans.append(self) or real_run(self, *a)
-    decode_plan.DecodePlan.accepts = lambda self, *a: use_plan[0] and real_accepts(self, *a)
+    decode_plan.DecodePlans.takes = lambda self, *a: use_plan[0] and real_takes(self, *a)
 
     llm = LLM()
     random.seed(0)

@@ -186,6 +186,10 @@ class Scheduler:
         return min(num_new, budget, threshold) if prefill and threshold > 0 else min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
+        # A request that waited for an earlier one's step with its id: that step is back (taken
+        # or forgotten), so it joins now.
+        for req_id in [r for r in self.deferred if r not in self.num_steps_in_flight]:
+            self.add_request(self.deferred.pop(req_id))
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
@@ -500,6 +504,4 @@ class Scheduler:
                     request, proposals[row], self.max_model_len, self.speculative_config,
                     self.structured_output_manager,
                 )
-        for req_id in [r for r in self.deferred if r not in self.num_steps_in_flight]:
-            self.add_request(self.deferred.pop(req_id))
         return outputs

@@ -205,26 +205,10 @@ static void w8_tiles(const int16_t *xq, const float *sx, int64_t m, int64_t k, c
 #define I8_ROW_BLOCK 16
 #define W8_ROW_M(MM) w8_row(xq + r0 * kp, kp, MM, wrow, k, out)
 
-void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,
-                     const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
-    int64_t kp = KPAD(k), m4 = (m + 3) / 4 * 4;
-    int16_t *xq = aligned_alloc(64, (size_t)(m4 * kp * sizeof(int16_t)));
-    float *sx = calloc((size_t)m4, sizeof(float));
-    quantize_rows_i16(x, x_bf16, m, k, 32767.0f, xq, sx);
-#ifdef PL_AVX2
-    int tiles = m >= W8_TILES_MIN_ROWS && n >= W8_WEIGHT_BLOCK * nthreads;  /* a block for every thread */
-    if (tiles || (m == 1 && k <= I8_CHUNK(W8_STEP))) {
-        if (tiles) {
-            memset(xq + m * kp, 0, (size_t)((m4 - m) * kp * sizeof(int16_t)));
-            w8_tiles(xq, sx, m, k, w, w_scale, bias, n, y, y_bf16, nthreads);
-        } else {
-            w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
-        }
-        free(sx);
-        free(xq);
-        return;
-    }
-#endif
+/* The general path: any rows, any ISA. */
+static void w8_rows(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w,
+                    const uint16_t *w_scale, const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
+    int64_t kp = KPAD(k);
     /* Activation rows in blocks of I8_ROW_BLOCK, each a pass over the weight: a block's int16
      * rows stay in L1 while every weight row meets them (32 rows of 640 do not fit: 32 rows through
      * the 262144 x 640 head took 146 ms in one block and 106 in two, on an AVX2 EPYC, before
@@ -248,6 +232,23 @@ void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8
             }
         }
     }
+}
+
+void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,
+                     const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
+    int64_t kp = KPAD(k), m4 = (m + 3) / 4 * 4;  /* rows in fours for w8_tiles: the extra ones zeros */
+    int16_t *xq = aligned_alloc(64, (size_t)(m4 * kp * sizeof(int16_t)));
+    float *sx = calloc((size_t)m4, sizeof(float));
+    quantize_rows_i16(x, x_bf16, m, k, 32767.0f, xq, sx);
+    memset(xq + m * kp, 0, (size_t)((m4 - m) * kp * sizeof(int16_t)));
+#ifdef PL_AVX2
+    if (m >= W8_TILES_MIN_ROWS && n >= W8_WEIGHT_BLOCK * nthreads)  /* a weight block for every thread */
+        w8_tiles(xq, sx, m, k, w, w_scale, bias, n, y, y_bf16, nthreads);
+    else if (m == 1 && k <= I8_CHUNK(W8_STEP))
+        w8_m1(xq, sx[0], k, w, w_scale, bias, n, y, y_bf16, nthreads);
+    else
+#endif
+        w8_rows(xq, sx, m, k, w, w_scale, bias, n, y, y_bf16, nthreads);
     free(sx);
     free(xq);
 }

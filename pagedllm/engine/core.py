@@ -114,13 +114,9 @@ class EngineCore:
         A request whose step is in flight has no new token to schedule until that step ends."""
         outputs: list[EngineCoreOutput] = []
         if len(self.batch_queue) < self.batch_queue_size:
-            sched_out = self.scheduler.schedule()
-            self._record_scheduled(sched_out)
-            outputs = self.scheduler.take_pending_outputs()
+            sched_out, outputs = self.begin_step()
             if not sched_out.is_empty:
-                self.model_executor.execute_model(sched_out)
-                future = self.model_executor.sample_tokens(self.get_grammar_output(sched_out), non_block=True)
-                self.batch_queue.append((sched_out, future))
+                self._send_sampling(sched_out)
                 if len(self.batch_queue) < self.batch_queue_size:
                     return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
         if self.batch_queue:

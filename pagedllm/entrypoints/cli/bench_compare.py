@@ -190,14 +190,19 @@ def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout
         wait_healthy(name, proc, url, log.name, timeout)
         yield LaunchedServer(url, time.monotonic() - start)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=30)
         log.close()
     os.unlink(log.name)  # kept when the start or the run failed
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a server's graceful shutdown), then SIGKILL if it has not exited in `timeout` s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def pagedllm_serve_cmd(model: str, server_args: str) -> Callable[[int], list[str]]:

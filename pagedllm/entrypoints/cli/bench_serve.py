@@ -112,9 +112,9 @@ async def _one(client, model: str, prompt: list[int], args: argparse.Namespace) 
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     result.output_tokens = usage["completion_tokens"]
-                if chunk.get("choices"):
-                    finish = chunk["choices"][0].get("finish_reason") or finish
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = (chunk.get("choices") or [{}])[0]
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
                     text_chunks += 1
                     if result.ttft == 0.0:
                         result.ttft = now - start

@@ -37,6 +37,19 @@ KERNEL_CHUNK_ROWS = 16
 KERNEL_CHUNK_MAX_KEYS = 4096
 
 
+def chunk_runs_as_decodes(seg: PrefillSegment, sliding_window: int | None) -> bool:
+    """Whether a prompt chunk runs its rows as decodes in the C kernel (each over the keys up to
+    its own position): it follows cached context and has at most KERNEL_CHUNK_ROWS rows over at
+    most KERNEL_CHUNK_MAX_KEYS keys under the layer's window. The decode plan takes a step by
+    the same test."""
+    if seg.context_len == 0:
+        return False
+    keys = seg.context_len + seg.query_len
+    if sliding_window is not None:
+        keys = min(keys, sliding_window)
+    return seg.query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -128,10 +141,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if seg.context_len == 0:  # every key is new: read them as computed, not from the cache
             return self._causal(q, k, v, seg, k_cache.shape[1])
-        keys = seg.context_len + seg.query_len
-        if self.sliding_window is not None:
-            keys = min(keys, self.sliding_window)
-        if seg.query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS and self._use_kernel(q):
+        if chunk_runs_as_decodes(seg, self.sliding_window) and self._use_kernel(q):
             tables, lens = self._rows_as_decodes(seg)
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.sliding_window,
                                                       self.scale)

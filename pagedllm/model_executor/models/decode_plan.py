@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
-from pagedllm.model_executor.layers.attention import KERNEL_CHUNK_MAX_KEYS, KERNEL_CHUNK_ROWS
+from pagedllm.model_executor.layers.attention import chunk_runs_as_decodes
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 
 _ACT_IDS = {SiluAndMul: cpu_kernels.ACTIVATIONS["silu"], GeluTanhAndMul: cpu_kernels.ACTIVATIONS["gelu_tanh"]}
@@ -161,10 +161,6 @@ class DecodePlan:
 
     # -- running --
 
-    def accepts(self, input_ids: torch.Tensor) -> bool:
-        """Whether this step has the plan's row count (`DecodePlans` checked the rest)."""
-        return input_ids.numel() == self.rows
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens: decodes, and the
         rows of short chunks, each as a decode of the keys up to its own position."""
@@ -210,6 +206,7 @@ class DecodePlans:
         self.windows = {layer.self_attn.attn.sliding_window for layer in layers}
         self.buffers = PlanBuffers(model, MAX_PLAN_ROWS, dtype)
         self.plans = {1: DecodePlan(model, 1, self.buffers)}  # raises Unsupported for the model's layers
+        self.max_blocks = self.plans[1].block_table.shape[1]  # the block tables' width
 
     def valid(self, kv_cache: torch.Tensor) -> bool:
         return kv_cache.data_ptr() == self.kv_ptr and torch.get_num_threads() == self.nthreads
@@ -218,15 +215,11 @@ class DecodePlans:
         """Whether every row of the step runs as a decode in the module path's attention too:
         decodes, and chunks of at most KERNEL_CHUNK_ROWS rows after cached context over at most
         KERNEL_CHUNK_MAX_KEYS keys in every layer. (A model with LoRA layers has no plans.)"""
-        max_blocks = self.plans[1].block_table.shape[1]
+        max_blocks = self.max_blocks
         if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > max_blocks:
             return False
-        for seg in md.prefills:
-            keys = seg.context_len + seg.query_len
-            if (seg.context_len == 0 or seg.query_len > KERNEL_CHUNK_ROWS or seg.block_table.shape[0] > max_blocks
-                    or any((min(keys, w) if w else keys) > KERNEL_CHUNK_MAX_KEYS for w in self.windows)):
-                return False
-        return True
+        return all(seg.block_table.shape[0] <= max_blocks and all(chunk_runs_as_decodes(seg, w) for w in self.windows)
+                   for seg in md.prefills)
 
     def get(self, rows: int) -> DecodePlan | None:
         """The plan for `rows` decode tokens (built now if this is the first such step); None

@@ -154,8 +154,7 @@ class Gemma3Model(nn.Module):
                 return None
         if not plans.takes(md):
             return None
-        plan = plans.get(input_ids.numel())
-        return plan if plan is not None and plan.accepts(input_ids) else None
+        return plans.get(input_ids.numel())
 
 
 class Gemma3ForCausalLM(nn.Module):

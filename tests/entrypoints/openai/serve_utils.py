@@ -4,13 +4,13 @@ read its metrics."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
 
+from pagedllm.entrypoints.cli.bench_compare import stop_process
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
 from tests.utils import free_port, wait_healthy
 
@@ -43,12 +43,7 @@ def serve_tiny(model: str, tmp_path_factory, procs: list | None = None, extra_ar
         wait_healthy(proc, url, log)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=20)
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -60,9 +55,9 @@ def read_metrics(url: str) -> dict[str, float]:
     return values
 
 
-def metrics_once_idle(url: str) -> dict[str, float]:
-    """The metrics once no request runs and no KV block is in use (asserted within ~5 s)."""
-    for _ in range(100):
+def metrics_once_idle(url: str, wait_s: float = 5.0) -> dict[str, float]:
+    """The metrics once no request runs and no KV block is in use (asserted within ~`wait_s`)."""
+    for _ in range(int(wait_s / 0.05)):
         metrics = read_metrics(url)
         if metrics["pagedllm:num_requests_running"] == 0 and metrics["pagedllm:kv_cache_usage_perc"] == 0:
             break

@@ -16,9 +16,8 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
-from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, read_metrics, serve_tiny
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, metrics_once_idle, serve_tiny
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 THINK_OFF_TEMPLATE = CHAT_TEMPLATE.replace("assistant:", "assistant:<think>\n\n</think>\n\n")
 THINK_ON_TEMPLATE = CHAT_TEMPLATE.replace("assistant:", "assistant:<think>\n")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
@@ -37,15 +36,6 @@ def server(tiny_qwen3_think, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-
-
-def _kv_released(server: str) -> None:
-    for _ in range(200):
-        m = read_metrics(server)
-        if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:kv_cache_usage_perc"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"KV blocks still held: {m}")
 
 
 def _poll(client, response_id: str, until: tuple[str, ...], timeout: float = 60):
@@ -164,7 +154,7 @@ def test_background_poll_cancel_and_replay(client, server):
     cancelled = client.responses.cancel(slow.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(slow.id).status == "cancelled"
-    _kv_released(server)
+    metrics_once_idle(server, wait_s=10.0)
 
     done = client.responses.create(model=MODEL, input="Hello", background=True, **GREEDY)
     final = _poll(client, done.id, ("completed", "incomplete"))

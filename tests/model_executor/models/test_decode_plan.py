@@ -23,14 +23,14 @@ def gemma3_d32(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("gemma3_d32")), "gemma3", head_dim=32, query_pre_attn_scalar=32)
 
 
-_REAL_RUN, _REAL_ACCEPTS = decode_plan.DecodePlan.run, decode_plan.DecodePlan.accepts
+_REAL_RUN, _REAL_TAKES = decode_plan.DecodePlan.run, decode_plan.DecodePlans.takes
 
 
 def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20, chunks: list | None = None) -> tuple:
     """Outputs, and the row count of each step the plans ran (in `chunks`: whether it had a
     prompt chunk)."""
     runs = []
-    real_run, real_accepts = _REAL_RUN, _REAL_ACCEPTS  # not the last call's wrappers
+    real_run, real_takes = _REAL_RUN, _REAL_TAKES  # not the last call's wrappers
 
     def run(self, input_ids, positions, md):
         runs.append(self.rows)
@@ -39,7 +39,7 @@ def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20, chunks: list
         return real_run(self, input_ids, positions, md)
 
     monkeypatch.setattr(decode_plan.DecodePlan, "run", run)
-    monkeypatch.setattr(decode_plan.DecodePlan, "accepts", lambda self, *a: plan and real_accepts(self, *a))
+    monkeypatch.setattr(decode_plan.DecodePlans, "takes", lambda self, *a: plan and real_takes(self, *a))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], runs
