@@ -46,6 +46,7 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = None  # the pooling runner's
     classify: bool = False  # a pooling classifier returns its head's probabilities, not the pooled state
     load_format: str = "auto"  # auto, safetensors, pt, gguf (converted by then) or dummy (random weights)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     @property
     def architecture(self) -> str:

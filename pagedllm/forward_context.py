@@ -29,6 +29,17 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class TritonMetadata:
+    """What the Triton attention kernel reads, on the device: every request of the step, in batch
+    order. A CUDA graph's bucket holds views of its static buffers."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int32: each request's first token in the flat batch
+    seq_lens: torch.Tensor  # [R] int32: context + this step's tokens
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    max_query_len: int  # picks the kernel's tile shape
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     # Decode requests (query of one token) are batched into one padded attention call.
@@ -39,6 +50,9 @@ class AttentionMetadata:
     # sliding window (None: full) → the DecodeView its layers read; built by the first layer
     # that needs it, shared by the others.
     decode_views: dict = field(default_factory=dict)
+    # Set where the step runs the Triton kernels (CUDA; tests under Triton's interpreter): then
+    # the fields above are only bookkeeping, on the host.
+    triton: TritonMetadata | None = None
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 # The suite runs two xdist workers on a 2-core machine, and every engine process it starts sizes
@@ -10,6 +11,10 @@ import os
 # beside one busy torch process. A short spin keeps a lone run as fast and stops the burning. Set
 # before torch (libgomp reads it once); the servers and workers the tests start inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Without an NVIDIA GPU the Triton kernels run under Triton's CPU interpreter, in every worker:
+# `triton.jit` reads this when it decorates, so it must be set before any test imports them.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

@@ -16,6 +16,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
     build_lora_config,
@@ -67,6 +68,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
@@ -127,6 +129,8 @@ class EngineArgs:
                                                 self.data_parallel_size, backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
+        if device.type == "cuda":
+            check_cuda_layout(parallel_config)
         if device.type == "cpu":
             cpu_kernels.build_in_background()  # a first start compiles while the model converts
         if self.runner not in ("auto", "generate", "pooling"):
@@ -148,6 +152,7 @@ class EngineArgs:
             self.seed, self.trust_remote_code, self.quantization, hf_config_path,
         )
         model_config.load_format = self.load_format
+        model_config.enforce_eager = self.enforce_eager
         if not ModelRegistry.is_supported(model_config.architecture):
             raise ValueError(f"model architecture {model_config.architecture!r} of {model!r} is not supported; "
                              f"supported: {', '.join(ModelRegistry.get_supported_archs())} (or register your own "
@@ -250,6 +255,20 @@ class EngineArgs:
             lora_config=lora_config,
         )
 
+
+
+def check_cuda_layout(parallel: ParallelConfig) -> None:
+    """On CUDA each rank of a core takes a GPU of its own (rank r: cuda:r): refuse a layout that
+    this machine's GPUs cannot hold, or several data-parallel cores, which would share GPU 0."""
+    if parallel.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 is not supported on CUDA: the engine cores would share one GPU; "
+                         "run one server per GPU, or use tensor/pipeline parallelism")
+    import torch
+
+    have = torch.cuda.device_count()
+    if parallel.world_size > have:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks need as many "
+                         f"GPUs, one per rank; this machine has {have}")
 
 
 def _st_max_len(model_path: str) -> int | None:

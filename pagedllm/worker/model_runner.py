@@ -24,11 +24,14 @@ from pagedllm.distributed import get_pp_group
 from pagedllm.forward_context import set_forward_context
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
 from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
+from pagedllm.model_executor.layers.triton_ops import use_triton_attention
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.model_executor.models.utils import IntermediateTensors
+from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
@@ -63,6 +66,7 @@ class ModelRunner:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps between forward() and sample_tokens(), oldest first (several with pipeline parallel).
         self._pending: deque[tuple] = deque()
+        self.cuda_graphs: CUDAGraphRunner | None = None  # set up once the KV cache is bound
         self.lora_manager = None
         if config.lora_config is not None:
             mc = config.model_config
@@ -93,11 +97,45 @@ class ModelRunner:
         if cache.kv_cache_memory is not None:
             return cache.kv_cache_memory
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * cache.gpu_memory_utilization)
+            return self._profile_cuda_memory(cache.gpu_memory_utilization)
         # KV pages are touched only as they fill, but cap the reservation so the engine
         # coexists with the rest of the machine.
         return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    @torch.inference_mode()
+    def _profile_cuda_memory(self, utilization: float) -> int:
+        """vLLM's rule: the KV cache gets `utilization` of the GPU's memory, less the peak of a
+        forward pass over a full token budget (weights included) and what is held outside torch
+        (the CUDA context, cuBLAS, NCCL)."""
+        sched = self.config.scheduler_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        budget = max(1, sched.max_num_batched_tokens)
+        per_seq = max(1, min(budget, sched.max_model_len))
+        lens = [per_seq] * (budget // per_seq) + ([budget % per_seq] if budget % per_seq else [])
+        step = prepare_inputs([[0] * n for n in lens], [0] * len(lens), [[0]] * len(lens), self.block_size,
+                              self.device)
+        hidden = self._run_model(step)
+        if hidden is not None and self.pooler_config is None:
+            # The sampler's worst case, a row a sequence: float32 logits, top-p's sorted copy and its softmax.
+            rows = min(sched.max_num_seqs, hidden.shape[0])
+            logits = self.model.compute_logits(hidden[:rows]).float()
+            values, _ = logits.sort(dim=-1)
+            values.softmax(-1).cumsum(-1)
+            del logits, values
+        self._wait_sent()
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        available = int(total * utilization) - peak - outside_torch
+        logger.info("GPU memory: %.2f GiB in all, peak %.2f GiB in a forward pass of %d tokens, %.2f GiB outside "
+                    "torch: %.2f GiB for the KV cache (gpu_memory_utilization %.2f)", total / 2**30, peak / 2**30,
+                    budget, outside_torch / 2**30, max(0, available) / 2**30, utilization)
+        if available <= 0:
+            raise ValueError(f"no GPU memory is left for the KV cache at gpu_memory_utilization={utilization}: "
+                             "raise it, or lower max_num_batched_tokens / max_model_len")
+        return available
 
     def determine_num_blocks(self) -> int:
         per_block = self.bytes_per_block()
@@ -133,6 +171,26 @@ class ModelRunner:
         self._wait_sent()
         for kv in self.kv_caches:
             kv[:, 0].zero_()
+        self._set_up_cuda_graphs()
+
+    def _set_up_cuda_graphs(self) -> None:
+        """Decode steps replay CUDA graphs where the Triton kernels run (on CPU, under the
+        interpreter, the same padded buffers run eagerly), unless enforce_eager; not for a pooling
+        model, LoRA adapters, mixtures of experts or pipeline stages."""
+        mc = self.config.model_config
+        if (mc.enforce_eager or not use_triton_attention(self.device) or self.pooler_config is not None
+                or self.lora_manager is not None or self.pp.world_size > 1 or not self.kv_caches
+                or any(isinstance(m, FusedMoE) for m in self.model.modules())):  # its routing counts on the host
+            return
+        sched = self.config.scheduler_config
+        runner = CUDAGraphRunner(self.model, capture_sizes(sched.max_num_seqs),
+                                 -(-sched.max_model_len // self.block_size), self.device)
+        try:
+            runner.capture_all()
+        except Exception:  # the model does something a graph cannot hold: decode eagerly
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return
+        self.cuda_graphs = runner
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of block src into block dst, in every layer (the draft model's too)."""
@@ -211,8 +269,14 @@ class ModelRunner:
             shape = (len(step.input_ids), self.hidden_size)
             intermediate = IntermediateTensors(self.pp.recv_prev(shape, self.config.model_config.dtype, self.device))
         extra = {"token_type_ids": step.token_type_ids} if step.token_type_ids is not None else {}
-        with set_forward_context(step.attn_metadata, lora_mask):
-            hidden = self.model(step.input_ids, step.positions, intermediate, **extra)
+        graph_size = None
+        if self.cuda_graphs is not None and intermediate is None and not extra and lora_mask is None:
+            graph_size = self.cuda_graphs.bucket(step.attn_metadata, len(step.input_ids))
+        if graph_size is not None:
+            hidden = self.cuda_graphs.run(graph_size, step.input_ids, step.positions, step.attn_metadata)
+        else:
+            with set_forward_context(step.attn_metadata, lora_mask):
+                hidden = self.model(step.input_ids, step.positions, intermediate, **extra)
         if self.pp.is_last_rank:
             return hidden
         self._wait_sent()

@@ -78,8 +78,9 @@ class SamplingMetadataBuilder:
                 if p.allowed_token_ids is not None:
                     bias.fill_(float("-inf"))
                     bias[torch.tensor(p.allowed_token_ids, device=self.device)] = 0.0
-                for tok, value in (p.logit_bias or {}).items():
-                    bias[tok] += value
+                if p.logit_bias:  # one indexed add (the ids are distinct), not a launch per token on a GPU
+                    ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
+                    bias[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
                 self.static_bias[r.req_id] = bias
             md.static_bias[row] = bias
         banned: list[int] = []

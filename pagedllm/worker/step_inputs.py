@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.forward_context import AttentionMetadata, PrefillSegment
+from pagedllm.forward_context import AttentionMetadata, PrefillSegment, TritonMetadata
+from pagedllm.model_executor.layers.triton_ops import use_triton_attention
 
 
 @dataclass(slots=True)
@@ -60,11 +61,22 @@ def prepare_inputs(
         decode_seq_lens=None,
         prefills=[],
     )
+    # The Triton kernels read the whole batch from three arrays; the per-row split below is then
+    # bookkeeping (an encoder's prompt lengths) and stays on the host.
+    split_device = device
+    if use_triton_attention(device):
+        md.triton = TritonMetadata(
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_end)).astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(block_table.astype(np.int32)).to(device),
+            max_query_len=int(query_lens.max()),
+        )
+        split_device = torch.device("cpu")
     if len(decode_rows):
         d_lens = seq_lens[decode_rows]
         d_blocks = int(-(-d_lens.max() // block_size))
-        md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(device)
-        md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(device)
+        md.decode_token_idx = torch.from_numpy(cu_start[decode_rows]).to(split_device)
+        md.decode_block_tables = torch.from_numpy(block_table[decode_rows, :d_blocks]).to(split_device)
         md.decode_seq_lens = d_lens
     for i in np.nonzero(~is_decode)[0]:
         n_blocks = int(-(-seq_lens[i] // block_size))
@@ -73,7 +85,7 @@ def prepare_inputs(
                 token_start=int(cu_start[i]),
                 query_len=int(query_lens[i]),
                 context_len=int(starts[i]),
-                block_table=torch.from_numpy(block_table[i, :n_blocks]).to(device),
+                block_table=torch.from_numpy(block_table[i, :n_blocks]).to(split_device),
             )
         )
     return StepInputs(

@@ -55,6 +55,8 @@ class Worker:
                                          "nccl" if device.type == "cuda" else "gloo")
             initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         if device.type == "cuda":
+            if device.index is None:  # "cuda": the current device, named, as set_device needs an index
+                device = self.config.device_config.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
 
     def load_model(self) -> None:

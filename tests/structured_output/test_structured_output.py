@@ -35,10 +35,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_sampled_outputs_are_valid(any_llm, kind):
     tok = any_llm.get_tokenizer()
-    outs = any_llm.generate(PROMPTS, params(kind, tok, n=3, temperature=1.0, seed=1234), use_tqdm=False)
-    assert_all_valid(kind, outs, 3)
-    # Sampling, not a constant: the six samples are not all the same (the choice has four options).
-    assert len({c.text for o in outs for c in o.outputs}) > 1
+    texts = set()
+    # Sampling, not a constant: the samples are not all the same (the choice has four options). Six
+    # draws of a peaked choice can agree under one seed (the device's random stream decides which),
+    # so up to three seeds.
+    for seed in (1234, 1235, 1236):
+        outs = any_llm.generate(PROMPTS, params(kind, tok, n=3, temperature=1.0, seed=seed), use_tqdm=False)
+        assert_all_valid(kind, outs, 3)
+        texts |= {c.text for o in outs for c in o.outputs}
+        if len(texts) > 1:
+            break
+    assert len(texts) > 1
     assert_idle(any_llm)
 
 

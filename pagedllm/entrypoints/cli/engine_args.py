@@ -38,7 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
                         help="bytes for the KV cache (e.g. 2GiB); default: a share of free memory")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -11,6 +11,9 @@ Every call first scatters the step's new K/V into their slots (slot_mapping), th
   chunk of a long prompt, a speculative verification) runs its rows as decodes through the C
   kernel instead, each against the keys up to its own position.
 Sliding-window layers read only the blocks that hold some query's window.
+
+Where the step carries Triton metadata (CUDA), the K/V go in and are read through the Triton
+kernels instead (`triton_ops`): one launch for the whole mixed step, no gather.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -65,12 +69,17 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None  # cap * tanh(scores / cap): Triton path only
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] → [T, Hq, D]."""
         md = get_attention_metadata()
+        if md is not None and md.triton is not None and self.kv_cache.numel():
+            return self._triton(q, k, v, md)
+        if self.logits_soft_cap is not None:
+            raise ValueError("soft-capped attention runs on the Triton kernels only (CUDA)")
         if md is None or self.kv_cache.numel() == 0:
             return self._causal(q, k, v)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
@@ -87,6 +96,20 @@ class Attention(nn.Module):
             rows = slice(seg.token_start, seg.token_start + seg.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
         return out
+
+    def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Write the step's K/V by slot, then one unified attention launch over the block tables."""
+        from pagedllm.model_executor.layers.triton_ops.kv_cache import reshape_and_cache
+        from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
+
+        t = md.triton
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return unified_attention(q, k_cache, v_cache, out, t.block_tables, t.seq_lens, t.query_start_loc,
+                                 t.max_query_len, self.scale, self.sliding_window, self.logits_soft_cap)
 
     def _decode(
         self,

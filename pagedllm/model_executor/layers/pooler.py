@@ -23,9 +23,10 @@ def pool(hidden: torch.Tensor, cu_start: np.ndarray, cu_end: np.ndarray, pooling
 
 
 def finish_vectors(pooled: torch.Tensor, normalize: list[bool], dimensions: list[int | None]) -> list[list[float]]:
-    """Each row truncated to its `dimensions` (if any), then L2-normalized if asked."""
+    """Each row truncated to its `dimensions` (if any), then L2-normalized if asked. On the host:
+    one copy from a GPU, not a normalization and a copy per row."""
     out = []
-    for row, norm, dims in zip(pooled, normalize, dimensions):
+    for row, norm, dims in zip(pooled.cpu(), normalize, dimensions):
         if dims is not None:
             row = row[:dims]
         out.append((F.normalize(row, dim=-1) if norm else row).tolist())

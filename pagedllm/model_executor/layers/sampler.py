@@ -134,7 +134,8 @@ class Sampler:
         """Rows with top-k: everything (min_p, top_p, the draw) happens on the k candidates,
         never sorting or normalising the whole vocabulary."""
         k = md.top_k[idx]
-        vals, ids = logits.topk(int(k.max()), dim=-1)  # sorted, descending; order is scale-free
+        widths = k.tolist()  # one device sync for the widths and their maximum
+        vals, ids = logits.topk(max(widths), dim=-1)  # sorted, descending; order is scale-free
         vals = vals.float() / md.temperature[idx].unsqueeze(1)
         vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device) >= k.unsqueeze(1), float("-inf"))
         if md.min_p is not None:  # p / p_max does not depend on the normalisation
@@ -143,7 +144,7 @@ class Sampler:
         if md.top_p is not None:
             mass_above = probs.cumsum(dim=-1) - probs
             probs = probs.masked_fill(mass_above >= md.top_p[idx].unsqueeze(1), 0.0)
-        choice = self._exponential_race(probs, gens, k.tolist())
+        choice = self._exponential_race(probs, gens, widths)
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
@@ -163,7 +164,8 @@ def exponential_race(
 ) -> torch.Tensor:
     """One draw per row of `probs` (overwritten): argmax(p / E) with E ~ Exp(1) is a sample
     from p (the Gumbel-max trick in another form). Rows in `generators` use their own (seeded)
-    generator, which makes them batch-independent; the rest share `default`."""
+    generator, which makes them batch-independent; the rest share `default`. Every generator is
+    on `probs`' device (a CPU generator cannot draw into a CUDA tensor)."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.exponential_(generator=default)
@@ -180,12 +182,15 @@ _ARGMAX_CHUNK = 1024
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum's index of each row, as `max(dim).indices` gives it (a NaN wins).
-    On CPU one pass of pagedllm's C kernel. Otherwise two passes: the maximum of each chunk
+    On CPU one pass of pagedllm's C kernel. On a GPU `argmax`: one reduction kernel, where the
+    two passes below are five launches. Otherwise two passes: the maximum of each chunk
     of the vocabulary (`amax`, vectorised), then the index within the first chunk holding the
     row's maximum; over a [64, 262144] bf16 head ~3x faster than `max(dim)`, and `argmax` over
     bf16 is slower still (it is not vectorised on CPU)."""
     if cpu_kernels.usable(logits):
         return cpu_kernels.argmax_rows(logits)
+    if logits.device.type == "cuda":
+        return logits.argmax(dim=-1)
     vocab = logits.shape[1]
     n = vocab // _ARGMAX_CHUNK
     if n < 4:
@@ -259,12 +264,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     little-endian bits in int32 words). On CPU the bits are unpacked by numpy and applied with
     one torch.where: 8x faster than xgrammar's CPU kernel on a 262k vocabulary."""
     num_rows, vocab = logits.shape
-    if logits.device.type != "cpu":
-        import xgrammar as xgr
+    if logits.device.type != "cpu":  # the Triton kernel, on the device
+        from pagedllm.model_executor.layers.triton_ops.bitmask import apply_token_bitmask_inplace
 
-        full = torch.full((num_rows, bitmask.shape[1]), -1, dtype=torch.int32)
-        full[rows] = bitmask
-        xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows)
+        apply_token_bitmask_inplace(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
         return
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little")
     allowed = torch.from_numpy(bits.view(np.bool_))

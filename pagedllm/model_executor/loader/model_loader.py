@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    check_quantization(model_config.quantization, device)  # before building: its kernels are CPU ones
     model_cls = resolve_model_cls(model_config.architecture)
     start = time.perf_counter()
     prev_dtype = torch.get_default_dtype()
@@ -72,8 +73,16 @@ def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | Non
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
     """--load-format dummy: small random values in every parameter (as vLLM's), seeded, so a model
-    can be profiled without reading its checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    can be profiled without reading its checkpoint. Each tensor is drawn where it lives, from a
+    generator seeded 0 on its device: an 8B model on a GPU fills in seconds, never passing through
+    host memory. On CPU the draw is in float32, then rounded to the parameter's dtype."""
+    generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(0)
+        if param.device.type != "cpu" and param.dtype.is_floating_point:  # in place: no float32 temporary
+            param.data.uniform_(low, high, generator=gen)
+            continue
+        values = torch.empty(param.shape, dtype=torch.float32, device=param.device).uniform_(low, high, generator=gen)
         param.data.copy_(values.to(param.dtype))

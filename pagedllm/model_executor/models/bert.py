@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,19 +43,23 @@ class BertEmbeddings(nn.Module):
 
 
 class PaddedBatch:
-    """Where each packed token sits in a [sequences, longest] grid, from the step's metadata."""
+    """Where each packed token sits in a [sequences, longest] grid, from the step's metadata. The
+    cells are worked out on the host: moving tokens into and out of the grid by index then needs
+    no device sync, where a boolean mask costs one at every use on a GPU."""
 
     def __init__(self, num_tokens: int, device: torch.device) -> None:
         segments = get_attention_metadata().prefills
-        lens = torch.tensor([s.query_len for s in segments], device=device)
-        starts = torch.tensor([s.token_start for s in segments], device=device)
-        longest = int(lens.max())
-        cols = torch.arange(longest, device=device)
-        self.mask = cols < lens[:, None]  # [B, L]: real tokens
-        self.index = (starts[:, None] + cols)[self.mask]  # packed token of each real cell, row-major
-        if self.index.numel() != num_tokens:
+        lens = [s.query_len for s in segments]
+        if sum(lens) != num_tokens:
             raise RuntimeError("an encoder step must hold whole prompts, each from its first token")
-        self.key_mask = self.mask[:, None, None, :]  # [B, 1, 1, L] for SDPA
+        longest = max(lens)
+        self.shape = (len(lens), longest)
+        cells = np.empty(num_tokens, dtype=np.int64)  # grid cell (row * longest + column) of each packed token
+        for row, s in enumerate(segments):
+            cells[s.token_start : s.token_start + s.query_len] = row * longest + np.arange(s.query_len)
+        self.cells = torch.from_numpy(cells).to(device)
+        real = torch.arange(longest, device=device) < torch.tensor(lens, device=device)[:, None]  # [B, L]
+        self.key_mask = real[:, None, None, :]  # [B, 1, 1, L] for SDPA
 
 
 class BertSelfAttention(nn.Module):
@@ -67,14 +72,14 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        shape = (*batch.mask.shape, self.num_heads, self.head_dim)
+        rows, longest = batch.shape
         padded = []
         for t in (q, k, v):
-            p = t.new_zeros(shape)
-            p[batch.mask] = t
-            padded.append(p.transpose(1, 2))  # [B, H, L, D]
+            p = t.new_zeros(rows * longest, self.num_heads, self.head_dim).index_copy_(0, batch.cells, t)
+            padded.append(p.view(rows, longest, self.num_heads, self.head_dim).transpose(1, 2))  # [B, H, L, D]
         out = F.scaled_dot_product_attention(*padded, attn_mask=batch.key_mask)
-        return out.transpose(1, 2)[batch.mask].reshape(-1, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(rows * longest, self.num_heads, self.head_dim)
+        return out.index_select(0, batch.cells).view(-1, self.num_heads * self.head_dim)
 
 
 class BertSelfOutput(nn.Module):

@@ -193,6 +193,9 @@ class DecodePlans:
     def __init__(self, model: torch.nn.Module) -> None:
         """Raises Unsupported where the model can run no plan."""
         layers = list(model.layers)
+        device = next(model.parameters()).device
+        if device.type != "cpu":  # checked before kernels(), which builds them on its first call
+            raise Unsupported(f"a model on {device}: the kernels are CPU ones")
         if cpu_kernels.kernels() is None or not layers or model.start_layer != 0 or model.end_layer != len(layers):
             raise Unsupported("no C kernels, or a pipeline stage")
         dtype = model.embed_tokens.weight.dtype

@@ -58,6 +58,7 @@ class Gemma3Attention(nn.Module):
             self.num_kv_heads,
             config.query_pre_attn_scalar**-0.5,
             config.sliding_window if is_sliding else None,
+            getattr(config, "attn_logit_softcapping", None),
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,7 +137,7 @@ class Gemma3Model(nn.Module):
         with a decode, again if the KV cache or the thread count changes; None (the module path)
         where the model cannot run one, or with PAGEDLLM_DECODE_PLAN=0."""
         md, plans = get_attention_metadata(), self.__dict__.get("decode_plans")
-        if md is None or plans is False:
+        if md is None or plans is False or md.triton is not None:
             return None
         kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
         if plans is None or not plans.valid(kv_cache):

@@ -96,7 +96,8 @@ class DraftModelProposer:
         out = greedy_argmax(logits).tolist()
         if md.all_greedy:
             return out
-        sampled = [n for n, a in enumerate(live) if not bool(md.greedy[a])]
+        greedy = md.greedy.tolist()  # one device sync, not one per row
+        sampled = [n for n, a in enumerate(live) if not greedy[a]]
         if not sampled:
             return out
         dev = logits.device

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm.config import build_model_config
-from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.model_executor.loader.model_loader import get_model, init_dummy_weights
 from pagedllm.transformers_utils import weight_utils
 from tests.utils import make_tiny_model
 
@@ -40,3 +40,23 @@ def test_embedding_mapped_in_its_stored_dtype(tmp_path, monkeypatch, dtype, in_c
     with torch.no_grad():
         weight.add_(1.0)
     assert (tmp_path / "llama" / "model.safetensors").read_bytes() == before
+
+
+def test_dummy_weights_on_cpu_are_float32_draws_from_one_seeded_generator():
+    """The CPU draw is pinned: float32 values from a CPU generator seeded 0, parameter after
+    parameter, rounded to each parameter's dtype (a GPU draws in place, on its own generator)."""
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.empty(3, 5, dtype=torch.bfloat16))
+    model.b = torch.nn.Parameter(torch.empty(7))
+    init_dummy_weights(model)
+    gen = torch.Generator().manual_seed(0)
+    for param in (model.a, model.b):
+        want = torch.empty(param.shape).uniform_(-1e-3, 1e-3, generator=gen).to(param.dtype)
+        assert torch.equal(param.data, want)
+
+
+def test_quantization_is_refused_off_the_cpu_before_the_model_is_built(tmp_path):
+    path = make_tiny_model(str(tmp_path / "llama"), "llama")
+    config = build_model_config(None, path, None, "float32", torch.device("cpu"), None, 0, False, quantization="int8")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        get_model(config, torch.device("cuda"))  # raises before anything touches the device

@@ -90,7 +90,7 @@ def test_cpu_kernel_head_dim_matches_transformers(arch, dtype, tmp_path, monkeyp
     ref = hf_greedy(path, PROMPTS, MAX_TOKENS, dtype=torch_dtype)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for scenario in ("plain", "chunked"):
-        llm = LLM(path, dtype=dtype, **SCENARIOS[scenario])
+        llm = LLM(path, dtype=dtype, device="cpu", **SCENARIOS[scenario])
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert_greedy_match([o.outputs[0].token_ids for o in outs], ref, tol=1e-3 if dtype == "float32" else 0.05)
     assert all(calls.values()) if built else not any(calls.values()), calls

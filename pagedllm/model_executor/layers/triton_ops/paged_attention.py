@@ -1,0 +1,174 @@
+"""Unified paged attention: one kernel for a mixed step (decodes, prefill chunks, chunks after
+cached context), reading K/V in place through the block tables, with no dense gather.
+
+A program takes BLOCK_Q query tokens of one sequence and every query head of one KV head (GQA:
+BLOCK_Q x group rows share each K/V tile they load), and walks that sequence's keys in tiles of
+BLOCK_N with an online softmax in float32: causal by position, limited to a sliding window and
+soft-capped where the layer asks. Programs map onto sequences by a binary search over
+`query_start_loc`, so the grid depends only on the token and sequence counts, which a CUDA graph
+of a decode batch fixes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(query_start_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks hold program `qb`: sequence i's blocks start at
+    query_start[i] // BLOCK_Q + i (an upper bound on the blocks before it, so none overlap)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if start <= qb:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    num_seqs, scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_ptr, num_seqs, qb, BLOCK_Q)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    q_first = (qb - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # this program's first query row
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    # Rows: query token q_first + m // BLOCK_G, head kv_head * GROUP + m % BLOCK_G.
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q_first + offs_m // BLOCK_G
+    g = offs_m % BLOCK_G
+    row_ok = (q_idx < q_len) & (g < GROUP)
+    head = kv_head * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    token = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = context + q_idx  # each row's own position: it sees keys 0..pos
+
+    last = context + tl.minimum(q_first + BLOCK_Q, q_len)  # one past the last key any row reads
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(context + q_first - window + 1, 0)
+        first = (first // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(first, last, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k_ok = keys < last
+        block = tl.load(table + keys // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = keys % KV_BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        elif DOT_F32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * scale
+        else:
+            s = tl.dot(q, k) * scale
+        if USE_SOFTCAP:  # cap * tanh(s / cap), tanh through the sigmoid
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        seen = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
+        if USE_WINDOW:
+            seen = seen & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def block_q_for(max_query_len: int, group: int) -> int:
+    """Query tokens per program: decode-only steps take one (rows = the group's heads, padded to
+    16 for the tensor cores), steps with prompt chunks enough for 64 rows."""
+    block_g = triton.next_power_of_2(group)
+    rows = 16 if max_query_len <= 1 else 64
+    return max(1, rows // block_g)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q, out: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
+    [R, max_blocks] int32; seq_lens: [R] int32 (context + this step's query); query_start_loc:
+    [R + 1] int32, each sequence's first token in q. `max_query_len` picks the tile shape (a
+    bound suffices: the grid depends only on T and R)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    _, kv_block_size, num_kv_heads, _ = k_cache.shape
+    if num_tokens == 0:
+        return out
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = block_q_for(max_query_len, group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Keys per tile: wide enough for the tensor cores, small enough for the registers at 256-wide heads.
+    block_n = max(16, min(64, 8192 // block_d))
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    # Triton's CPU interpreter multiplies 16-bit floats by their bits: it gets exact float32
+    # copies (the tensor cores also sum in float32).
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, seq_lens, query_start_loc,
+        num_seqs, scale, softcap or 0.0, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_Q=block_q, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
+        USE_SOFTCAP=softcap is not None and softcap > 0, USE_WINDOW=sliding_window is not None,
+        IEEE=q.dtype == torch.float32, DOT_F32=interpreted and q.dtype != torch.float32,
+    )
+    return out

@@ -1,0 +1,51 @@
+"""The engine on the Triton kernels (PAGEDLLM_ATTENTION_BACKEND=triton: under Triton's
+interpreter without a GPU, natively with one): greedy tokens equal to transformers' in float32
+under prefix-cache hits, chunked prefill (mixed steps, sliding windows) and preemption, with
+decode steps through the CUDA-graph runner's padded buckets (replayed graphs on CUDA, the same
+buffers eagerly on CPU). The interpreter is slow: one architecture per scenario (tests/cuda/ runs
+every pair on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.model_executor.models.test_models import MAX_TOKENS, PROMPTS, SCENARIOS
+from tests.utils import assert_greedy_match, assert_idle, hf_greedy, make_tiny_model
+
+CASES = [("llama", "plain"), ("gemma3", "chunked"), ("qwen3", "preemption")]
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    made: dict[str, tuple[str, list]] = {}
+
+    def get(arch: str) -> tuple[str, list]:
+        if arch not in made:
+            path = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch)
+            made[arch] = (path, hf_greedy(path, PROMPTS, MAX_TOKENS))
+        return made[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch,scenario", CASES)
+def test_greedy_matches_transformers(tiny, arch, scenario, device):
+    path, ref = tiny(arch)
+    llm = LLM(path, dtype="float32", device=device.type, **SCENARIOS[scenario])
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    assert runner.cuda_graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_greedy_match([o.outputs[0].token_ids for o in outs], ref)
+    assert_idle(llm)
+    if scenario == "preemption":
+        assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    if scenario == "plain":
+        again = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert_greedy_match([o.outputs[0].token_ids for o in again], ref)
+        assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
