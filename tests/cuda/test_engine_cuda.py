@@ -14,8 +14,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
-from tests.model_executor.models.test_models import MAX_TOKENS, PROMPTS, SCENARIOS
-from tests.utils import assert_greedy_match, assert_idle, hf_greedy, make_tiny_model
+from tests.model_executor.layers.triton_ops.test_triton_engine import check_scenario
+from tests.model_executor.models.test_models import MAX_TOKENS, PROMPTS
+from tests.utils import assert_idle, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,19 +33,7 @@ def tiny(request, tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", ["plain", "chunked", "preemption"])
 def test_greedy_matches_transformers(tiny, scenario):
-    path, ref = tiny
-    llm = LLM(path, dtype="float32", device="cuda", **SCENARIOS[scenario])
-    assert runner_of(llm).cuda_graphs is not None
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert_greedy_match([o.outputs[0].token_ids for o in outs], ref)
-    assert_idle(llm)
-    if scenario == "preemption":
-        assert llm.llm_engine.get_stats()["num_preemptions"] > 0
-    if scenario == "plain":
-        again = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert_greedy_match([o.outputs[0].token_ids for o in again], ref)
-        assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+    check_scenario(*tiny, scenario, "cuda")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

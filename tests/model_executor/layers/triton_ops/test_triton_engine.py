@@ -33,10 +33,10 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch,scenario", CASES)
-def test_greedy_matches_transformers(tiny, arch, scenario, device):
-    path, ref = tiny(arch)
-    llm = LLM(path, dtype="float32", device=device.type, **SCENARIOS[scenario])
+def check_scenario(path: str, ref: list, scenario: str, device: str) -> None:
+    """Greedy tokens equal to `ref` under SCENARIOS[scenario], decode steps through the CUDA-graph
+    runner; every block free after; preemptions and prefix hits where the scenario makes them."""
+    llm = LLM(path, dtype="float32", device=device, **SCENARIOS[scenario])
     runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     assert runner.cuda_graphs is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -49,3 +49,8 @@ def test_greedy_matches_transformers(tiny, arch, scenario, device):
         again = llm.generate(PROMPTS, params, use_tqdm=False)
         assert_greedy_match([o.outputs[0].token_ids for o in again], ref)
         assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("arch,scenario", CASES)
+def test_greedy_matches_transformers(tiny, arch, scenario, device):
+    check_scenario(*tiny(arch), scenario, device.type)
