@@ -1,8 +1,10 @@
-"""Per-request sampling parameters: vLLM's names, defaults and meanings."""
+"""Per-request sampling parameters: vLLM's names, defaults and meanings, importable from where
+vLLM has them (`SamplingParams`, `StructuredOutputsParams`, `BeamSearchParams`)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -222,14 +224,16 @@ class SamplingParams:
         )
 
     def clone(self) -> SamplingParams:
-        """Deep copy, except logits processors (which may hold large state) are shared."""
-        procs = self.logits_processors
-        self.logits_processors = None
-        try:
-            new = copy.deepcopy(self)
-        finally:
-            self.logits_processors = procs
-        new.logits_processors = procs
+        """A copy whose containers can be changed without touching this one. One level deep only:
+        a structured-output schema is shared, read-only, never walked (a request may nest one
+        hundreds deep), and logits processors (which may hold large state) are shared too."""
+        new = copy.copy(self)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (list, dict, set)) and f.name != "logits_processors":
+                setattr(new, f.name, copy.copy(value))
+        if self.structured_outputs is not None:
+            new.structured_outputs = copy.copy(self.structured_outputs)
         return new
 
     def update_from_generation_config(
@@ -246,3 +250,26 @@ class SamplingParams:
             self.all_stop_token_ids.update(eos_ids)
             if not self.ignore_eos:
                 self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's names. `temperature` only matters for the token the engine samples, which beam search
+    ignores: candidates come from the (unscaled) top-k logprobs."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if 2 * self.beam_width > MAX_LOGPROBS:  # each step asks the engine for 2 * beam_width logprobs
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {self.beam_width}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
 from tests.utils import assert_idle
 
 
@@ -103,7 +104,7 @@ def test_invalid_prompts_raise_value_error(llm, prompt, match):
 
 # ---- clone and generation config ---------------------------------------------------------------------------------
 
-def test_clone_is_deep_except_logits_processors():
+def test_clone_copies_containers_and_shares_logits_processors():
     def proc(ids, logits):
         return logits
 
@@ -119,6 +120,19 @@ def test_clone_is_deep_except_logits_processors():
     c.allowed_token_ids.append(9)
     assert p.stop == ["a"] and p.logit_bias == {4: 1.0} and p.allowed_token_ids == [1, 2]
     assert p.logits_processors == [proc]
+
+
+def test_clone_shares_a_deep_schema_and_never_walks_it():
+    """A request's schema can nest far past Python's recursion limit: clone (once per request,
+    once per sample) shares it read-only instead of deep-copying it."""
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    p = SamplingParams(n=2, temperature=1.0, structured_outputs=StructuredOutputsParams(json=schema))
+    c = p.clone()
+    assert c.structured_outputs is not p.structured_outputs and c.structured_outputs.json is schema
+    c.structured_outputs.disable_any_whitespace = True
+    assert p.structured_outputs.disable_any_whitespace is False
 
 
 def test_update_from_generation_config():

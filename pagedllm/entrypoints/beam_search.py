@@ -15,34 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.logprobs import Logprob
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.processor import PromptType
     from pagedllm.entrypoints.llm import LLM
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's names. `temperature` only matters for the token the engine samples, which beam search
-    ignores: candidates come from the (unscaled) top-k logprobs."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
-        if 2 * self.beam_width > MAX_LOGPROBS:  # each step asks the engine for 2 * beam_width logprobs
-            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {self.beam_width}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
 
 
 @dataclass

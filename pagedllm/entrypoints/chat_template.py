@@ -32,6 +32,10 @@ from jinja2.utils import Namespace
 RENDER_TIMEOUT_S = 5.0
 MAX_RENDER_CHARS = 16 * 1024 * 1024
 MAX_RANGE = 100_000
+# Brackets inside one expression, and blocks ({% if %}, {% for %}, ...) inside each other: Jinja's
+# parser and Python's compiler recurse per level (and allow 20 nested loops); models' templates nest
+# fewer than 8.
+MAX_TEMPLATE_NESTING = 16
 _TEMPLATE_FILENAME = "<pagedllm chat template>"
 _FORMAT_WIDTHS = re.compile(r"(?:%|:)[-#0 +<>^=_,]*(\d*)(?:\.(\d+))?")
 _CONTINUE_TAG = "PAGEDLLM_CONTINUE_FINAL_MESSAGE_TAG "
@@ -39,6 +43,11 @@ _CONTINUE_TAG = "PAGEDLLM_CONTINUE_FINAL_MESSAGE_TAG "
 
 class ChatTemplateError(ValueError):
     """The template failed, ran too long or produced too much: the request's fault."""
+
+
+class TemplateRejectedError(ChatTemplateError):
+    """The template itself raised (raise_exception, a Jinja error): the conversation may fit
+    it once reshaped (chat_turns.py), unlike a template that ran past a limit."""
 
 
 class _Budget:
@@ -205,7 +214,37 @@ _ACTIVE = threading.local()  # the budget of the render running in this thread
 
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> Any:
-    return _ENV.from_string(source)
+    _check_nesting(source)
+    try:
+        return _ENV.from_string(source)
+    except (RecursionError, SyntaxError, MemoryError) as e:  # e.g. a chain of thousands of `+`
+        raise ChatTemplateError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
+
+
+_OPENING, _CLOSING = frozenset("([{"), frozenset(")]}")
+_BLOCK_TAGS = frozenset({"if", "for", "macro", "call", "filter", "block", "with", "autoescape", "generation"})
+
+
+def _check_nesting(source: str) -> None:
+    """Refuse, before parsing, a template nested past MAX_TEMPLATE_NESTING: counted on Jinja's
+    own tokens (its lexer does not recurse), since its parser would exhaust the stack first."""
+    brackets = blocks = 0
+    tag_start = False
+    for _, kind, value in _ENV.lex(source):
+        if kind == "whitespace":
+            continue
+        if kind == "operator" and value in _OPENING:
+            brackets += 1
+        elif kind == "operator" and value in _CLOSING:
+            brackets -= 1
+        elif tag_start and kind == "name" and value in _BLOCK_TAGS:
+            blocks += 1
+        elif tag_start and kind == "name" and value[3:] in _BLOCK_TAGS and value.startswith("end"):
+            blocks -= 1
+        if max(brackets, blocks) > MAX_TEMPLATE_NESTING:
+            what = "brackets" if brackets > MAX_TEMPLATE_NESTING else "blocks"
+            raise ChatTemplateError(f"the chat template nests {what} more than {MAX_TEMPLATE_NESTING} levels deep")
+        tag_start = kind == "block_begin"
 
 
 def _tracer(budget: _Budget) -> Callable:
@@ -268,7 +307,9 @@ def render_template(
             parts.append(chunk)
     except ChatTemplateError:
         raise
-    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError,
+    except TemplateError as e:
+        raise TemplateRejectedError(f"the chat template failed: {type(e).__name__}: {e}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError,
             MemoryError) as e:
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
     finally:

@@ -1,13 +1,17 @@
-"""Chat conversations → prompts: message validation, template choice, rendering (bounded
-sandbox: chat_template.py) and BOS handling."""
+"""Chat conversations → prompts: message validation, template choice (a family's tool template
+for a tool-using request the model's own template cannot show: tool_templates.py), rendering
+(bounded sandbox: chat_template.py; strict templates: chat_turns.py) and BOS handling."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
 
-from pagedllm.entrypoints.chat_template import MAX_RENDER_CHARS, render_template
+from pagedllm.entrypoints.chat_template import MAX_RENDER_CHARS
+from pagedllm.entrypoints.chat_turns import render_fitted
+from pagedllm.entrypoints.tool_templates import tool_template_for, uses_tools
 from pagedllm.sampling_params import check_text
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
@@ -75,6 +79,7 @@ def fallback_template_name(tokenizer: Any) -> str | None:
     return "gemma" if is_gemma_tokenizer(tokenizer) else None
 
 
+@functools.cache
 def load_shipped_template(name: str) -> str:
     return (_TEMPLATE_DIR / f"{name}.jinja").read_text(encoding="utf-8")
 
@@ -158,6 +163,7 @@ def render_conversations(
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}; use the arguments of chat()")
     conversations = [normalize_conversation(c) for c in split_conversations(messages)]
+    own = chat_template is None  # the model's (or the family's shipped) template, not a chosen one
     if template_is_text and chat_template is not None:
         if not isinstance(chat_template, str) or "{" not in chat_template:
             raise ValueError("chat_template must be Jinja template text")
@@ -167,9 +173,12 @@ def render_conversations(
     variables = {**_special_tokens(tokenizer), **extra}
     prompts: list[str | dict[str, Any]] = []
     for i, conv in enumerate(conversations):
+        source = template
+        if own and uses_tools(conv, extra.get("tools")):
+            source = tool_template_for(tokenizer, template) or template
         try:
-            text = render_template(
-                template, conv, add_generation_prompt=add_generation_prompt,
+            text = render_fitted(
+                source, conv, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, variables=variables, max_chars=max_chars,
             )
         except ValueError as e:  # raise_exception(), an error, a limit: the input or template is at fault

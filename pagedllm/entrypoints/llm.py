@@ -170,10 +170,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render one conversation or a list of them with the chat template, then generate."""
+        """Render one conversation or a list of them with the chat template, then generate.
+        `tools` (OpenAI's function tools) reach the template as its `tools` variable."""
         from pagedllm.entrypoints.chat_utils import render_conversations
 
+        if tools is not None and (chat_template_kwargs is None or isinstance(chat_template_kwargs, dict)):
+            chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
         prompts = render_conversations(
             self.get_tokenizer(), messages, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,

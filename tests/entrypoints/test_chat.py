@@ -91,7 +91,7 @@ def test_text_parts_are_joined(gemma_tok):
         ([], {}, "non-empty"),
         ([[{"role": "user", "content": "hi"}], {"role": "user", "content": "hi"}], {}, "mixes"),
         ([{"role": "user", "content": "hi"}], {"chat_template_kwargs": {"tokenize": True}}, "may not set"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {}, "alternate"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], {}, "only as the first"),
     ],
 )
 def test_invalid_input_raises(gemma_tok, messages, kwargs, match):
@@ -150,6 +150,15 @@ def test_chat_with_explicit_template_equals_generate(llm):
     assert got.prompt == manual
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) > 0
+
+
+def test_chat_tools_reach_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    template = "{% for t in tools %}tool: {{ t.function.name }}\n{% endfor %}" + SIMPLE_TEMPLATE
+    msgs = [{"role": "user", "content": "Hello"}]
+    (out,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, chat_template=template,
+                      tools=tools)
+    assert out.prompt == "tool: get_weather\nuser: Hello\nassistant:"
 
 
 def test_chat_batch_in_order(llm):

@@ -16,9 +16,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.body_checks import MAX_JSON_DEPTH
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
@@ -263,6 +266,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
             return OpenAIError(str(e), 503).to_response()
         return Response(status_code=200)
 
+    # HEAD too: load balancers and orchestrators probe with it (one operation in the OpenAPI document).
+    app.head("/health", response_class=Response, include_in_schema=False)(health)
+
     @app.get("/version", responses=responses(None, 401))
     async def version() -> Response:
         return JSONResponse({"version": __version__})
@@ -282,12 +288,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = str(exc.detail)
+        headers = dict(exc.headers or {})
         if exc.status_code == 404:
             message = f"Not found: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"Method {request.method} not allowed on {request.url.path}"
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+        elif exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):  # json.loads gave up first
+            message = f"body: JSON nested more than {MAX_JSON_DEPTH} levels deep (the most a request may nest)"
         response = OpenAIError(message, exc.status_code).to_response()
-        response.headers.update(exc.headers or {})
+        response.headers.update(headers)
         return response
 
     @app.exception_handler(OpenAIError)
@@ -310,6 +320,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every response gets the header
     return app
+
+
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route serves at this path: Starlette's 405 names only the first
+    route that matched the path, and several routes may share one (GET and DELETE)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def _origins(value: Any) -> list[str]:

@@ -7,9 +7,11 @@ so even a model never trained for tools produces valid calls, and stops. `tools`
 `tool_choice` means "auto", as in OpenAI's API. "auto" relies on the model's own markup,
 parsed by `--tool-call-parser`; with `--tool-choice-auto-grammar` a structural tag lets the
 output be either plain text or one call in that parser's markup, so a base model can call
-tools too. A call cut short by max_tokens is dropped, the complete ones before it are kept;
-streams send each call's arguments as they are generated (a stream cut mid-call has sent that
-call's beginning). A `--reasoning-parser` first splits `<think>` reasoning from the answer.
+tools too. Streams send each call's arguments as they are generated. A call cut short by
+max_tokens is kept as far as it was generated (its arguments may not be valid JSON), with
+finish_reason "length", as OpenAI's API does: the non-streaming body then holds what the
+stream sent, and the Responses API, which builds its output from the same deltas, gives the
+same call. A `--reasoning-parser` first splits `<think>` reasoning from the answer.
 """
 
 from __future__ import annotations
@@ -145,7 +147,11 @@ class ChoiceParser:
         self.content = ""  # answer text so far (after reasoning)
         self.announced = False
 
-    def final(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    def final(self, text: str, truncated: bool = False) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, calls) of a whole output. `truncated` (max_tokens cut it): what
+        a stream of it sends, an unfinished call included; call it on a fresh parser."""
+        if truncated and self.mode is not None:
+            return self._as_streamed(text)
         reasoning, content = (self.reasoning.extract_reasoning_content(text) if self.reasoning else (None, text))
         content = content or ""
         if self.mode == "named":  # the output is the arguments; cut short, it is no call
@@ -160,6 +166,19 @@ class ChoiceParser:
             if extracted.tools_called:
                 return reasoning, extracted.content, extracted.tool_calls
         return reasoning, content or None, []
+
+    def _as_streamed(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """The whole text as one final stream delta, its call deltas joined per call."""
+        d = self.delta("", text, finished=True) or DeltaMessage()
+        calls: dict[int, ToolCall] = {}
+        for t in d.tool_calls or []:
+            args = (t.function.arguments if t.function else None) or ""
+            if t.index not in calls:
+                calls[t.index] = ToolCall(id=t.id or random_tool_call_id(),
+                                          function=FunctionCall(name=t.function.name or "", arguments=args))
+            else:
+                calls[t.index].function.arguments += args
+        return d.reasoning_content, d.content, [calls[i] for i in sorted(calls)]
 
     def delta(self, prev_text: str, text: str, finished: bool) -> DeltaMessage | None:
         if self.reasoning is not None:

@@ -10,11 +10,13 @@ import hmac
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, random_id
 
 
 class RequestIdMiddleware:
-    """Echo the client's x-request-id, or a fresh one, on every response."""
+    """Echo the client's x-request-id, or a fresh one, on every response; one longer than the
+    body's `request_id` may be is refused (400), not echoed."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -24,19 +26,25 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         request_id = Headers(scope=scope).get("x-request-id") or random_id()
+        app = self.app
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            request_id = random_id()
+            app = OpenAIError(f"x-request-id is longer than {MAX_REQUEST_ID_CHARS} characters").to_response()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)["x-request-id"] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        await app(scope, receive, send_with_id)
 
 
 class ApiKeyMiddleware:
     """Every route needs 'Authorization: Bearer <key>' except the liveness probe (/health),
-    CORS preflights, and /metrics when the operator opened it (--metrics-no-auth).
-    The scheme is case-insensitive (RFC 7235); the key is compared in constant time."""
+    and /metrics when the operator opened it (--metrics-no-auth). Any method, OPTIONS too: a
+    404 or 405 without the key would tell which routes exist (CORS preflights never get here:
+    the CORS middleware, outside this one, answers them). The scheme is case-insensitive
+    (RFC 7235); the key is compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = frozenset({"/health"})) -> None:
         self.app = app
@@ -50,8 +58,7 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(token.strip().encode(), self.expected) and scheme_ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths
-                and not self._authorized(scope)):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths and not self._authorized(scope):
             error = OpenAIError("Invalid or missing API key; send it as 'Authorization: Bearer <key>'", 401)
             response = error.to_response()
             response.headers["www-authenticate"] = "Bearer"

@@ -7,16 +7,18 @@ serving_engine.py so this file stays a plain schema. Response models are dumped 
 
 from __future__ import annotations
 
-import json
-import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+
+from pagedllm.entrypoints.openai.body_checks import check_depth, check_values
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# The longest `request_id` a request may name: it becomes the engine's id, and is logged and echoed.
+MAX_REQUEST_ID_CHARS = 256
 
 # A token id: a JSON integer, never "5", 5.0 or true (the vocabulary bound is checked by the server).
 TokenId = Annotated[int, Field(strict=True, ge=0)]
@@ -39,60 +41,19 @@ class RequestModel(OpenAIBaseModel):
 
 class TopLevelRequest(RequestModel):
     """A whole request body. Python's json module accepts lone surrogates ("\\ud800") and NaN /
-    Infinity, which tokenizers and samplers then choke on; rejected here, anywhere in the body,
-    unknown fields and free-form objects (tools, response_format) included."""
+    Infinity, which tokenizers and samplers then choke on, and any nesting depth, which every
+    recursive walk after it would choke on; rejected here, anywhere in the body, unknown fields
+    and free-form objects (tools, response_format) included (body_checks.py)."""
 
     @model_validator(mode="wrap")
     @classmethod
     def _reject_invalid_values(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
-        model = handler(data)  # typed fields first: their errors name the field precisely
         if not isinstance(data, BaseModel):
-            _check_values(data)
+            check_depth(data)  # before anything walks it
+        model = handler(data)  # typed fields next: their errors name the field precisely
+        if not isinstance(data, BaseModel):
+            check_values(data)
         return model
-
-
-def _check_values(data: Any) -> None:
-    """No lone surrogate in any string or key, no non-finite float, anywhere in a parsed
-    JSON body. json.dumps walks it in C and fails on exactly these (allow_nan=False, then the
-    strict UTF-8 encode), so a large valid body costs little; only a failing one is walked
-    again in Python, to name the place."""
-    try:
-        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        return
-    except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
-        pass
-    stack = [(data, "")]  # iterative: a deeply nested body cannot exhaust the stack
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise PydanticCustomError(
-                    "pagedllm_invalid_value", "{param}: must be a finite number, got {value}",
-                    {"param": path or "body", "value": str(value)},
-                )
-        elif isinstance(value, dict):
-            items = []
-            for k, v in value.items():
-                key_path = f"{path}.{k}" if path else str(k)
-                if isinstance(k, str):
-                    _check_text(k, key_path)
-                items.append((v, key_path))
-            stack.extend(reversed(items))  # popped in document order: the first problem is reported
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed([(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]))
-
-
-def _check_text(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        where = path.encode("utf-8", "backslashreplace").decode("utf-8") or "body"
-        raise PydanticCustomError(
-            "pagedllm_invalid_value", "{param}: text is not valid Unicode (lone surrogate {char} at {pos})",
-            {"param": where, "char": f"U+{ord(text[e.start]):04X}", "pos": str(e.start)},
-        ) from None
 
 
 # ---- errors ---------------------------------------------------------------
@@ -148,7 +109,7 @@ class SamplingRequest(TopLevelRequest):
     bad_words: list[str] | None = None
     echo: bool = False
     priority: int = 0
-    request_id: str | None = None
+    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_CHARS)
     cache_salt: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -14,6 +14,9 @@ from pagedllm.entrypoints.openai.protocol import DeltaMessage
 from pagedllm.entrypoints.openai.responses_items import new_id
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+# The request's own structures the response echoes: never changed after the response is made, so
+# snapshots share them rather than deep-copy what a client may nest deeply.
+_ECHOED = frozenset({"text", "tools", "tool_choice", "metadata", "reasoning"})
 
 
 def output_text(response: dict[str, Any]) -> str:
@@ -34,7 +37,7 @@ class ResponseBuilder:
         return event
 
     def snapshot(self) -> dict[str, Any]:
-        return copy.deepcopy(self.response)
+        return {k: v if k in _ECHOED else copy.deepcopy(v) for k, v in self.response.items()}
 
     def set_status(self, status: str, event: str | None = None) -> None:
         self.response["status"] = status

@@ -191,7 +191,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, self.tokenizer)
-            reasoning, content, tool_calls = parsers[c.index].final(c.text)
+            reasoning, content, tool_calls = parsers[c.index].final(c.text, truncated=c.finish_reason == "length")
             finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             message = ChatMessage(role="assistant", content=echo + content if content is not None else
                                   (echo or None), reasoning_content=reasoning, tool_calls=tool_calls)

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
 from pagedllm.entrypoints.openai.stream_utils import EngineStreamingResponse, run_until_disconnected
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammar import validate
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class OpenAIServingResponses:
             raise OpenAIError("tool_choice cannot be combined with another structured-output constraint",
                               param="tool_choice")
         params.structured_outputs = call_grammar or own or fmt
+        await _check_constraint(params.structured_outputs, "tools" if call_grammar is not None
+                                else "structured_outputs" if own is not None else "text.format")
         if mode == "auto":  # e.g. Mistral's [TOOL_CALLS] is a special token the text must keep
             params.skip_special_tokens = self.chat.tool_parser_cls(self.chat.tokenizer).adjust_request(
                 shaped).skip_special_tokens
@@ -277,6 +280,17 @@ class OpenAIServingResponses:
             store.add_conversation_items(conv_id, turn_input + session.new_output())
         except KeyError:  # deleted meanwhile
             logger.info("conversation %s is gone; response %s not added to it", conv_id, session.id)
+
+
+async def _check_constraint(constraint: StructuredOutputsParams | None, param: str) -> None:
+    """A schema the grammar compiler refuses is a 400 before the response starts, as in chat
+    completions, not a response that fails once it runs."""
+    if constraint is None:
+        return
+    try:
+        await run_blocking(validate, constraint)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param) from None
 
 
 def _usage(before: dict | None, prompt: int, output: int, cached: int, reasoning: int) -> dict[str, Any]:

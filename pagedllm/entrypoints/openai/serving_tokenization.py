@@ -48,11 +48,14 @@ class OpenAIServingTokenization:
         else:
             if not request.messages:
                 raise OpenAIError("messages must not be empty", param="messages")
+            tools = (request.model_extra or {}).get("tools")  # vLLM's field; not (yet) in TokenizeRequest
+            if tools is not None and not isinstance(tools, list):
+                raise OpenAIError("tools must be a list of tools", param="tools")
             _, ids = self.chat.render(
                 request.messages, chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
+                chat_template_kwargs=request.chat_template_kwargs, tools=tools,
             )
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.chat.max_model_len, token_strs=strs)

@@ -20,15 +20,19 @@ MODEL = "tiny"
 
 
 def serve_tiny(model: str, tmp_path_factory, procs: list | None = None, extra_args: tuple[str, ...] = (),
-               env: dict[str, str] | None = None, logs: list | None = None):
+               env: dict[str, str] | None = None, logs: list | None = None, chat_template: str | None = CHAT_TEMPLATE):
     """Start `pagedllm serve` on `model` (a tiny test model), yield its URL once healthy, stop it afterwards. `env`:
-    variables for the server process on top of this one's; `logs` gets the path of its output."""
-    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
+    variables for the server process on top of this one's; `logs` gets the path of its output; `chat_template`
+    None: the model's own (or pagedllm's shipped) template."""
+    template_args: tuple[str, ...] = ()
+    if chat_template is not None:
+        template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+        template.write_text(chat_template)
+        template_args = ("--chat-template", str(template))
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", MODEL,
-           "--chat-template", str(template), "--api-key", API_KEY, "--max-model-len", "256",
+           *template_args, "--api-key", API_KEY, "--max-model-len", "256",
            "--uvicorn-log-level", "warning", *extra_args]
     log = tmp_path_factory.mktemp("log") / "server.log"
     if logs is not None:

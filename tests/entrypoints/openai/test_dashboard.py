@@ -30,6 +30,19 @@ def test_page_and_script_load_without_the_key(fake_engine):
     assert "dashboard/state" in script.text and "Authorization" in script.text and "sessionStorage" in script.text
 
 
+def test_page_script_and_state_send_the_browser_security_headers(fake_engine):
+    """The page may run only its own script and fetch only this server, and cannot be framed."""
+    client = _client(fake_engine)
+    for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/state"):
+        r = client.get(path)
+        assert r.status_code == 200 and r.headers["x-content-type-options"] == "nosniff", path
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["cache-control"] == "no-store", path
+        csp = dict(part.strip().split(" ", 1) for part in r.headers["content-security-policy"].split(";"))
+        assert csp["default-src"] == "'none'" and csp["frame-ancestors"] == "'none'", path
+        assert csp["script-src"] == "'self'" and csp["connect-src"] == "'self'", path
+    assert "<script>" not in client.get("/dashboard").text  # no inline script for 'self' to block
+
+
 def test_state_requires_the_key(fake_engine):
     client = _client(fake_engine, api_key=KEY)
     for headers in ({}, {"Authorization": "Bearer wrong"}):

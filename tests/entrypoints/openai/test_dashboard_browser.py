@@ -82,6 +82,19 @@ def load(dash_server):
     assert not errors, errors
 
 
+# Every Content-Security-Policy violation the page causes (the server sends one: nothing may be blocked).
+# Waits take functions, not expressions: the policy forbids eval, which Playwright uses for those.
+CSP_VIOLATIONS = """window.cspViolations = [];
+document.addEventListener("securitypolicyviolation",
+                          (e) => window.cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`));"""
+
+
+def _new_page(browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.add_init_script(CSP_VIOLATIONS)
+    return page
+
+
 DOM_COUNTS = """() => {
     const text = (id) => Number(document.getElementById(id).textContent);
     const used = [...document.querySelectorAll('#blockmaps rect.used')];
@@ -94,12 +107,12 @@ DOM_COUNTS = """() => {
 
 
 def test_dashboard_in_chromium(browser, dash_server, load, tmp_path):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = _new_page(browser)
     page.goto(f"{dash_server}/dashboard")
     page.wait_for_selector("#keyform.shown", timeout=10_000)  # the state answered 401: the page asks
     page.fill("#key", API_KEY)
     page.click("#keyform button")
-    page.wait_for_function("Number(document.body.dataset.renders) >= 3 "
+    page.wait_for_function("() => Number(document.body.dataset.renders) >= 3 "
                            "&& Number(document.getElementById('count-running').textContent) > 0", timeout=30_000)
     assert page.evaluate("sessionStorage.getItem('pagedllm-dashboard-key')") == API_KEY
 
@@ -107,7 +120,7 @@ def test_dashboard_in_chromium(browser, dash_server, load, tmp_path):
     for _ in range(SAMPLES):
         before = read_metrics(dash_server)
         renders = page.evaluate("Number(document.body.dataset.renders)")
-        page.wait_for_function(f"Number(document.body.dataset.renders) > {renders}", timeout=10_000)
+        page.wait_for_function(f"() => Number(document.body.dataset.renders) > {renders}", timeout=10_000)
         dom = page.evaluate(DOM_COUNTS)
         after = read_metrics(dash_server)
         samples.append((before, dom, after))
@@ -126,7 +139,8 @@ def test_dashboard_in_chromium(browser, dash_server, load, tmp_path):
     print(f"dashboard: {stable} of {SAMPLES} polls fell between two finishing requests")
     assert stable >= 4, samples
 
-    page.wait_for_function("document.querySelector('#chart polyline.gen').getAttribute('points').split(' ').length > 2")
+    page.wait_for_function("() => document.querySelector('#chart polyline.gen').getAttribute('points')"
+                           ".split(' ').length > 2")
     assert float(page.text_content("#rate-gen")) > 0
     assert page.text_content("#model") == MODEL
     cell = page.locator("#blockmaps rect.used").first
@@ -136,6 +150,7 @@ def test_dashboard_in_chromium(browser, dash_server, load, tmp_path):
     page.screenshot(path=str(shot), full_page=True)
     print(f"dashboard screenshot: {shot}")
     assert shot.stat().st_size > 10_000
+    assert page.evaluate("window.cspViolations") == []
 
 
 def _finished(metrics: dict[str, float]) -> float:
@@ -192,9 +207,9 @@ def fake_server(fake_tokenizer, fake_model_dir):
 
 
 def test_engines_adapters_and_speculation_in_chromium(browser, fake_server, tmp_path):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = _new_page(browser)
     page.goto(f"{fake_server}/dashboard")  # no --api-key: no form
-    page.wait_for_function("Number(document.body.dataset.renders) >= 1", timeout=10_000)
+    page.wait_for_function("() => Number(document.body.dataset.renders) >= 1", timeout=10_000)
     assert not page.is_visible("#keyform")
     assert page.is_visible("#spec-card") and page.text_content("#spec-rate") == "75.0%"
     assert page.locator("#engines tbody tr").count() == 2 and page.is_visible("#engines th.spec-col")
@@ -207,3 +222,4 @@ def test_engines_adapters_and_speculation_in_chromium(browser, fake_server, tmp_
     assert page.text_content("#count-waiting") == "2" and page.text_content("#count-running") == "1"
     assert page.locator("#queue-running td").all_inner_texts()[5] == "500 ms"  # TTFT
     page.screenshot(path=str(tmp_path / "dashboard_dp.png"), full_page=True)
+    assert page.evaluate("window.cspViolations") == []

@@ -15,6 +15,7 @@ from tests.entrypoints.openai.conftest import CHAT_TEMPLATE
 from tests.entrypoints.openai.fake_engine import FakeEngine
 
 TOOLS = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
 
 
 def _client(engine: FakeEngine, **config) -> TestClient:
@@ -156,6 +157,15 @@ def test_pagination(fake_engine):
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "prompt_cache_key": ""}, "prompt_cache_key"),
     ({"input": "x" * 500}, "input"),  # longer than the model's context
+    # Schemas the grammar compiler refuses: 400 now, as in chat, not a response that fails later.
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": BAD_SCHEMA}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": BAD_SCHEMA}}, "stream": True},
+     "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": BAD_SCHEMA}}, "store": True,
+      "background": True}, "text.format"),
+    ({"input": "x", "structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+    ({"input": "x", "tools": [{**TOOLS[0], "parameters": BAD_SCHEMA}], "tool_choice": {"type": "function",
+                                                                                        "name": "lookup"}}, "tools"),
 ])
 def test_bad_requests_are_400(fake_engine, body, param):
     with _client(fake_engine) as c:
@@ -183,3 +193,16 @@ def test_unknown_ids_are_404(fake_engine):
             _error(c.request(method, path), 404)
         _error(c.post("/v1/responses/x/tool_outputs", json={"tool_call_id": "a", "output": "b"}), 404)
         _error(c.post("/v1/conversations/x", json={"metadata": {}}), 404)
+
+
+def test_snapshots_share_what_the_request_sent():
+    """Each event's snapshot copies the output, not the request's text.format and tools."""
+    from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
+
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    text = {"format": {"type": "json_schema", "name": "s", "schema": schema}}
+    builder = ResponseBuilder({"id": "resp_1", "status": "in_progress", "output": [], "text": text, "tools": []})
+    snap = builder.snapshot()
+    assert snap["text"] is text and snap["output"] == [] and snap["output"] is not builder.response["output"]

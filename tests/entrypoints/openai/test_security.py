@@ -125,3 +125,76 @@ def test_body_size_limit_is_413_before_parsing(fake_engine):
     _error(client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
     assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert fake_engine.calls and all(len(c[0]["prompt"]) < 100 for c in fake_engine.calls)
+
+
+# ---- nesting: a 400 naming the limit, never a RecursionError's 500 ---------------------------------------------------
+
+def _object_schema(depth: int) -> str:
+    """A schema of `depth` objects one inside the other: two JSON levels each."""
+    return '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+def _any_of(depth: int) -> str:
+    return '{"anyOf":[' * depth + '{"type":"string"}' + "]}" * depth
+
+
+def _arrays(depth: int) -> str:
+    return '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
+
+
+def _post_raw(client, path: str, body: str):
+    return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("path", "template"), [
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,'
+                             '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":%s}}}'),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"tools":[{"type":"function",'
+                             '"function":{"name":"f","parameters":%s}}]}'),
+    ("/v1/completions", '{"prompt":"Hi","max_tokens":2,"structured_outputs":{"json":%s}}'),
+    ("/v1/responses", '{"input":"Hi","max_output_tokens":2,"text":{"format":{"type":"json_schema","name":"x",'
+                      '"schema":%s}}}'),
+    ("/v1/responses", '{"input":"Hi","max_output_tokens":2,"tools":[{"type":"function","name":"f","parameters":%s}]}'),
+])
+@pytest.mark.parametrize("schema", [_object_schema(300), _any_of(600), _arrays(900), _object_schema(20_000)])
+def test_deeply_nested_bodies_are_400_naming_the_limit(fake_engine, path, template, schema):
+    client = TestClient(_app(fake_engine), raise_server_exceptions=False)
+    t0 = time.monotonic()
+    _error(_post_raw(client, path, template % schema), 400, "nested more than 64 levels deep")
+    assert time.monotonic() - t0 < 1.0 and fake_engine.calls == []
+
+
+def test_nesting_real_schemas_need_passes(fake_engine):
+    """Eleven objects one inside the other, each an array's items under anyOf (five levels each):
+    with the body, tools, the tool and its function around it, 60 levels; 64 pass, 65 do not."""
+    schema = '{"anyOf":[{"type":"array","items":{"type":"object","properties":{"a":' * 11 + '{"type":"string"}'
+    schema += "}}}]}" * 11
+    client = TestClient(_app(fake_engine))
+    for wrappers, status in ((0, 200), (4, 200), (5, 400)):
+        parameters = '{"type":"array","items":' * wrappers + schema + "}" * wrappers
+        body = ('{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"tool_choice":"none",'
+                '"tools":[{"type":"function","function":{"name":"f","parameters":' + parameters + "}}]}")
+        assert _post_raw(client, "/v1/chat/completions", body).status_code == status, wrappers
+
+
+def test_a_body_too_deep_for_the_json_parser_is_400_naming_the_limit(fake_engine):
+    client = TestClient(_app(fake_engine), raise_server_exceptions=False)
+    body = '{"prompt":"Hi","x":' + "[" * 100_000 + "]" * 100_000 + "}"
+    _error(_post_raw(client, "/v1/completions", body), 400, "nested more than 64 levels deep")
+
+
+@pytest.mark.parametrize(("template", "needle"), [
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "brackets more than 16 levels deep"),
+    ("{{ " + "[" * 17 + "1" + "]" * 17 + " }}", "brackets more than 16 levels deep"),
+    ("{% if 1 %}" * 2000 + "x" + "{% endif %}" * 2000, "blocks more than 16 levels deep"),
+    ("{%- for a in [1] %}" * 17 + "x" + "{% endfor -%}" * 17, "blocks more than 16 levels deep"),
+    ("{{ " + "1 + " * 3000 + "1 }}", "does not compile"),
+    ("{{ " + "not " * 3000 + "1 }}", "does not compile"),
+])
+def test_deeply_nested_templates_are_400(fake_engine, template, needle):
+    client = TestClient(_app(fake_engine, trust_request_chat_template=True), raise_server_exceptions=False)
+    for route in ("/tokenize", "/v1/chat/completions"):
+        _error(client.post(route, json={"messages": MSGS, "chat_template": template, "max_tokens": 2}), 400, needle)
+    nested = "{% if 1 %}" * 16 + "{{ " + "(" * 16 + "'ok'" + ")" * 16 + " }}" + "{% endif %}" * 16
+    r = client.post("/tokenize", json={"messages": MSGS, "chat_template": nested, "return_token_strs": True})
+    assert r.status_code == 200, r.text

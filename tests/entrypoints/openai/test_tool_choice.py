@@ -1,6 +1,7 @@
 """tool_choice without a model: the modes and their 400s, the grammars built for `required`,
 named and `--tool-choice-auto-grammar` (walked with an xgrammar matcher), and how a choice's
-text becomes tool calls, whole and streamed, also when max_tokens cuts it."""
+text becomes tool calls, whole and streamed, also when max_tokens cuts it (the cut call is kept,
+as the stream sent it)."""
 
 from __future__ import annotations
 
@@ -161,17 +162,25 @@ def test_required_streams_arguments_and_equals_the_whole(step):
         assert sum(1 for t in raw if t.id is None) > sum(len(a) for _, a in CALLS) // 2
 
 
-def test_required_cut_short_keeps_the_complete_calls():
+def _calls(calls) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_required_cut_by_max_tokens_keeps_what_the_stream_sent():
+    """Cut by max_tokens (truncated), the body holds the calls the stream sent, the unfinished one
+    as far as it got (as OpenAI's API does); an output that merely ends early keeps the complete ones."""
     for cut in range(len(REQUIRED_TEXT)):
         text = REQUIRED_TEXT[:cut]
         _, content, calls = ChoiceParser("required", None, None, None).final(text)
         assert content is None
         done = [(n, a) for n, a in CALLS if f'"parameters":{a}}}' in text]
-        assert [(c.function.name, c.function.arguments) for c in calls] == done, text
-        # the stream already sent the unfinished call's start; its complete calls are the same
+        assert _calls(calls) == done, text
         _, streamed = _stream(ChoiceParser("required", None, None, None), text, 5) if text else (None, [])
-        assert [(c["name"], c["arguments"]) for c in streamed][: len(done)] == done
-        assert len(streamed) - len(done) in (0, 1)
+        streamed = [(c["name"], c["arguments"]) for c in streamed]
+        assert streamed[: len(done)] == done and len(streamed) - len(done) in (0, 1)
+        _, content, cut_calls = ChoiceParser("required", None, None, None).final(text, truncated=True)
+        assert content is None and _calls(cut_calls) == streamed, text
+        assert all(c.id for c in cut_calls)
 
 
 def test_named_whole_streamed_and_cut():
@@ -181,6 +190,18 @@ def test_named_whole_streamed_and_cut():
     _, [streamed] = _stream(ChoiceParser("named", "get_weather", None, None), args, 4)
     assert streamed["name"] == "get_weather" and streamed["arguments"] == args
     assert ChoiceParser("named", "get_weather", None, None).final(args[:-3]) == (None, None, [])
+    _, content, calls = ChoiceParser("named", "get_weather", None, None).final(args[:-3], truncated=True)
+    assert content is None and _calls(calls) == [("get_weather", args[:-3])]
+
+
+def test_auto_cut_by_max_tokens_keeps_the_unfinished_call():
+    hermes = ToolParserManager.get("hermes")
+    text = 'Checking. <tool_call>\n{"name": "get_time", "arguments": {"zone": "U'
+    assert ChoiceParser("auto", None, hermes(None), None).final(text) == (None, text, [])
+    _, content, calls = ChoiceParser("auto", None, hermes(None), None).final(text, truncated=True)
+    assert content == "Checking." and _calls(calls) == [("get_time", '{"zone": "U')]
+    plain = "Just text, cut"
+    assert ChoiceParser("auto", None, hermes(None), None).final(plain, truncated=True) == (None, plain, [])
 
 
 def test_auto_stream_announces_calls_openai_style():

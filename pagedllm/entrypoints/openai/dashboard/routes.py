@@ -24,7 +24,12 @@ STATE_PATH = "/dashboard/state"
 # What ApiKeyMiddleware lets through without the key: the static files only.
 OPEN_PATHS = frozenset({PAGE_PATH, SCRIPT_PATH})
 
-_NO_STORE = {"cache-control": "no-store"}
+# The page loads only its own script and styles and fetches only this server; no other site may
+# frame it (clickjacking the key form) and no response is sniffed into another type.
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; connect-src 'self'; "
+        "img-src 'self' data:; form-action 'none'; base-uri 'none'; frame-ancestors 'none'")
+_HEADERS = {"cache-control": "no-store", "content-security-policy": _CSP, "x-frame-options": "DENY",
+            "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
 def _asset(name: str) -> str:
@@ -61,15 +66,15 @@ def add_dashboard_routes(app: FastAPI, engine: EngineClient, metrics: ServerMetr
 
     @app.get(PAGE_PATH, include_in_schema=False)
     async def dashboard_page() -> Response:
-        return HTMLResponse(page, headers=_NO_STORE)
+        return HTMLResponse(page, headers=_HEADERS)
 
     @app.get(SCRIPT_PATH, include_in_schema=False)
     async def dashboard_script() -> Response:
-        return Response(script, media_type="text/javascript", headers=_NO_STORE)
+        return Response(script, media_type="text/javascript", headers=_HEADERS)
 
     @app.get(STATE_PATH, responses=responses(None, 401, 503))
     async def dashboard_state_json() -> Response:
         """The live dashboard's data: KV block map, queues, token counters, engine stats."""
-        return JSONResponse(await dashboard_state(engine, metrics), headers=_NO_STORE)
+        return JSONResponse(await dashboard_state(engine, metrics), headers=_HEADERS)
 
     return OPEN_PATHS
