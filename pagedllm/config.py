@@ -135,6 +135,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # or "priority"
     max_n: int = 128  # most samples (n, best_of) one request may ask for
+    # Most sequences (prompts x best_of) one server request may fan out to; more is HTTP 400
+    max_sequences_per_request: int = 1024
     # Schedule step N + 1 while step N runs: each running request's token from step N is a
     # placeholder that the workers fill in from their own sample (vLLM's async scheduling)
     async_scheduling: bool = False

@@ -132,6 +132,8 @@ class Scheduler:
         return outputs
 
     def _free_request(self, request: Request) -> None:
+        if request.structured_output is not None:
+            request.structured_output.cancel()  # a compile still running for a request gone is dropped
         request.structured_output = None
         group = self.groups.get(request.group_id) if request.group_id is not None else None
         if group is not None:

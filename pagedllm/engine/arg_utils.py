@@ -76,6 +76,9 @@ class EngineArgs:
     # Most samples (n, and best_of) per request; more is a ValueError (HTTP 400). Samples beyond
     # max_num_seqs still run, in waves. 128 is OpenAI's limit on n.
     max_n: int = 128
+    # Most sequences (prompts x n, or best_of) one server request may start: a prompt list
+    # fans out too, so max_n alone does not bound it.
+    max_sequences_per_request: int = 1024
     enable_chunked_prefill: bool = True
     # Most tokens one request computes in a step (0: the budget's limit only): a long prompt's
     # chunks stay this small, so running decodes are not held up behind it
@@ -184,6 +187,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -246,6 +251,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold if chunked_prefill else 0,
                 policy=self.scheduling_policy,
                 max_n=self.max_n,
+                max_sequences_per_request=self.max_sequences_per_request,
                 async_scheduling=self.async_scheduling,
             ),
             device_config=DeviceConfig(device=device),

@@ -5,13 +5,14 @@ data-parallel rank, each with its own executor and KV cache, requests spread by 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedllm.config import LoRAConfig
 from pagedllm.engine.arg_utils import EngineArgs
@@ -28,6 +29,7 @@ from pagedllm.protocol import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncLLM:
@@ -37,6 +39,11 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Request processing (tokenizing, schema and bad-words checks) runs in this one thread,
+        # off the event loop; one thread keeps requests in their arrival order.
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-processor")
+        self._preparing: dict[str, int] = {}  # request id -> generate calls preparing it
+        self._aborted_early: set[str] = set()  # aborted while preparing: never submitted
         self.errored = False
         num_engines = engine_args.data_parallel_size
         if num_engines != 1:
@@ -170,8 +177,11 @@ class AsyncLLM:
             raise EngineDeadError()
         if sampling_params.logits_processors:
             raise ValueError("logits_processors cannot cross to the engine-core process; use LLM offline")
-        requests = self.frontend.add_request(request_id, prompt, sampling_params, time.time(), priority, cache_salt,
-                                             lora_request)
+        prepared = await self._prepare(request_id, self.frontend.prepare_request, request_id, prompt,
+                                       sampling_params, time.time(), priority, cache_salt, lora_request)
+        if prepared is None:
+            return
+        requests = self.frontend.register(*prepared)
         async with aclosing(self._stream(request_id, requests)) as stream:  # closed with the caller's generator
             async for out in stream:
                 yield out
@@ -184,10 +194,33 @@ class AsyncLLM:
         self._bind_loop()
         if self.errored:
             raise EngineDeadError()
-        request = self.frontend.add_pooling_request(request_id, prompt, pooling_params, time.time(), priority)
-        async with aclosing(self._stream(request_id, [request])) as stream:  # closed with the caller's generator
+        prepared = await self._prepare(request_id, self.frontend.prepare_pooling_request, request_id, prompt,
+                                       pooling_params, time.time(), priority)
+        if prepared is None:
+            return
+        requests = self.frontend.register(*prepared)
+        async with aclosing(self._stream(request_id, requests)) as stream:  # closed with the caller's generator
             async for out in stream:
                 yield out
+
+    async def _prepare(self, request_id: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)` in the processing thread, so that a costly request never stalls the loop
+        (/health, other streams). None if the request was aborted meanwhile (nothing to submit)."""
+        self._preparing[request_id] = self._preparing.get(request_id, 0) + 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args))
+        finally:
+            left = self._preparing.pop(request_id) - 1
+            aborted = request_id in self._aborted_early
+            if left:
+                self._preparing[request_id] = left
+            else:
+                self._aborted_early.discard(request_id)
+        if aborted:
+            return None
+        if self.errored:
+            raise EngineDeadError()
+        return result
 
     async def _stream(self, request_id: str, requests: list) -> AsyncGenerator[Any, None]:
         """Send a registered request's engine-core requests to the least loaded core, then yield
@@ -211,6 +244,8 @@ class AsyncLLM:
                 self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:
+        if request_id in self._preparing:
+            self._aborted_early.add(request_id)
         self._queues.pop(request_id, None)
         core_ids = self.frontend.abort([request_id])
         if core_ids and not self.errored:
@@ -272,3 +307,4 @@ class AsyncLLM:
     def shutdown(self) -> None:
         for client in self.clients:
             client.close()
+        self._prep.shutdown(wait=False, cancel_futures=True)

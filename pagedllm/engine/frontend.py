@@ -52,12 +52,24 @@ class Frontend:
     ) -> list[EngineCoreRequest]:
         """Validate and register a request; returns the engine-core requests to submit
         (one, or one per sample for n / best_of > 1). Raises ValueError on bad input."""
+        prepared = self.prepare_request(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request)
+        return self.register(*prepared)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The costly half of add_request (tokenizing, schema and bad-words checks): it touches
+        no request state, so AsyncLLM runs it in a worker thread, off the event loop."""
         if self.pooling:
             raise ValueError("this model runs --runner pooling: it embeds, it does not generate text; start it with "
                              "--runner generate (a generation model) to generate")
-        op = self.output_processor
-        if request_id in op.request_states or request_id in op.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError("priority is only supported with scheduling_policy='priority'")
         if lora_request is not None:
@@ -66,6 +78,15 @@ class Frontend:
             request_id, prompt, params, arrival_time, priority, cache_salt
         )
         request.lora_request = lora_request
+        return request, text
+
+    def register(self, request: EngineCoreRequest, text: str | None) -> list[EngineCoreRequest]:
+        """Track a prepared request's outputs (on the thread that processes outputs); returns the
+        engine-core requests to submit. A ValueError if its id is already in use."""
+        op = self.output_processor
+        request_id = request.request_id
+        if request_id in op.request_states or request_id in op.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if request.sampling_params.best_of == 1:
             op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
             return [request]
@@ -79,18 +100,20 @@ class Frontend:
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                             arrival_time: float | None = None, priority: int = 0) -> EngineCoreRequest:
         """Validate and register a request to pool (embed, encode); raises ValueError on bad input."""
+        return self.register(*self.prepare_pooling_request(request_id, prompt, params, arrival_time, priority))[0]
+
+    def prepare_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                                arrival_time: float | None = None,
+                                priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
+        """The thread-safe half of add_pooling_request, as prepare_request."""
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError("priority is only supported with scheduling_policy='priority'")
         if not self.pooling:
             raise ValueError("this model runs --runner generate; pooling (embeddings) needs a server or LLM started "
                              "with --runner pooling (LLM(model, runner='pooling'))")
-        op = self.output_processor
-        if request_id in op.request_states or request_id in op.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request, text = self.processor.process_pooling_inputs(request_id, prompt, params, arrival_time)
         request.priority = priority
-        op.add_request(request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time)
-        return request
+        return request, text
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check an adapter against the model once (files, config, targets, shapes, rank): a

@@ -16,60 +16,49 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import sys
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 
+from pagedllm.entrypoints.template_limits import (
+    Budget,
+    ChatTemplateError,
+    check_filter,
+    check_format,
+    check_method,
+    check_texts,
+    compile_tracer,
+    length,
+    render_tracer,
+    text_size,
+)
+
 RENDER_TIMEOUT_S = 5.0
 MAX_RENDER_CHARS = 16 * 1024 * 1024
 MAX_RANGE = 100_000
+# Source characters of a template sent in a request; real chat templates are under ~20 KB, and
+# compiling costs about a second per 64 KB (and memory in the compiled-template cache).
+MAX_TEMPLATE_CHARS = 64 * 1024
+MAX_INT_BITS = 64 * 1024
 # Brackets inside one expression, and blocks ({% if %}, {% for %}, ...) inside each other: Jinja's
 # parser and Python's compiler recurse per level (and allow 20 nested loops); models' templates nest
 # fewer than 8.
 MAX_TEMPLATE_NESTING = 16
 _TEMPLATE_FILENAME = "<pagedllm chat template>"
-_FORMAT_WIDTHS = re.compile(r"(?:%|:)[-#0 +<>^=_,]*(\d*)(?:\.(\d+))?")
 _CONTINUE_TAG = "PAGEDLLM_CONTINUE_FINAL_MESSAGE_TAG "
-
-
-class ChatTemplateError(ValueError):
-    """The template failed, ran too long or produced too much: the request's fault."""
 
 
 class TemplateRejectedError(ChatTemplateError):
     """The template itself raised (raise_exception, a Jinja error): the conversation may fit
     it once reshaped (chat_turns.py), unlike a template that ran past a limit."""
-
-
-class _Budget:
-    """Deadline and size limit of the render in progress (one per render call)."""
-
-    __slots__ = ("deadline", "max_chars")
-
-    def __init__(self, timeout_s: float, max_chars: int) -> None:
-        self.deadline = time.monotonic() + timeout_s
-        self.max_chars = max_chars
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise ChatTemplateError("the chat template took too long to render")
-
-    def check_size(self, n: int, what: str = "a value") -> None:
-        if n > self.max_chars:
-            raise ChatTemplateError(f"the chat template built {what} larger than {self.max_chars} characters")
-
-
-def _size(value: Any) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
 
 
 class _GenerationTag(Extension):
@@ -117,22 +106,36 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _BoundedCodeGenerator(CodeGenerator):
+    """`a ~ b` compiles to environment.concat, size-checked, instead of Jinja's unchecked str_join."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with every value-building operation checked against the active budget."""
+    """The sandbox, with every value-building operation checked against the active budget
+    before it builds its value (template_limits.py)."""
 
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+    code_generator_class = _BoundedCodeGenerator
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols],
+                         finalize=self._finalize_output)
+        self.filters["tojson"] = _tojson
         for name, fn in list(self.filters.items()):
-            self.filters[name] = self._bounded(fn)
-        self.filters["tojson"] = self._bounded(_tojson)
+            self.filters[name] = self._bounded(name, fn)
         self.globals.update(
             raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_TemplateNamespace,
             dict=_make_dict, range=self._range,
         )
 
-    def _limits(self) -> _Budget:
+    def _limits(self) -> Budget:
         budget = getattr(_ACTIVE, "budget", None)
         if budget is None:
             raise ChatTemplateError("chat templates render only through render_template")
@@ -145,13 +148,29 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > budget.max_chars:
                 raise ChatTemplateError(f"the chat template passed a number too large ({value})")
 
-    def _bounded(self, fn: Callable) -> Callable:
-        """A filter whose numeric arguments and result are checked (center(10**9), ...)."""
+    def _finalize_output(self, value: Any) -> Any:
+        """`{{ x }}`: str(x) of a list holding one string many times is checked before it is built."""
+        budget = getattr(_ACTIVE, "budget", None)  # None: a constant folded at compile time
+        if budget is not None and not isinstance(value, str):
+            budget.check_size(text_size(value, budget), "an output value")
+        return value
+
+    def concat(self, values: tuple) -> str:
+        check_texts(values, self._limits(), "a concatenation (~)")
+        return "".join(map(str, values))
+
+    def _bounded(self, name: str, fn: Callable) -> Callable:
+        """A filter whose arguments, would-be result size and result are checked (center(10**9), join, ...)."""
         @functools.wraps(fn)
         def filter_(*args: Any, **kwargs: Any) -> Any:
             self._check_args(args[1:], kwargs)
+            values = args[1:] if getattr(fn, "jinja_pass_arg", None) else args  # eval_ctx / context first
+            if name in ("join", "sum") and values and not isinstance(values[0], (str, list, tuple, dict)):
+                values = (list(values[0]), *values[1:])  # an iterator, walked once for the check
+                args = args[:len(args) - len(values)] + values
+            check_filter(name, values, kwargs, self._limits())
             result = fn(*args, **kwargs)
-            self._limits().check_size(_size(result), "a filter result")
+            self._limits().check_size(length(result), "a filter result")
             return result
         return filter_
 
@@ -166,42 +185,46 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         budget.check_time()
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
-                if isinstance(times, int) and _size(seq):
-                    budget.check_size(_size(seq) * max(times, 0), "a repeated value")
+                if isinstance(times, int) and length(seq):
+                    budget.check_size(length(seq) * max(times, 0), "a repeated value")
+            if _ints(left, right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise ChatTemplateError("the chat template computed a number too large")
         elif operator == "+":
-            budget.check_size(_size(left) + _size(right), "a concatenation")
+            budget.check_size(length(left) + length(right), "a concatenation")
         elif operator == "**":
             if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
                 raise ChatTemplateError("the chat template computed a power too large")
         elif operator == "%" and isinstance(left, str):
-            _check_format_widths(left, budget)
+            args = right.values() if isinstance(right, dict) else right if isinstance(right, tuple) else (right,)
+            check_format(left, args, budget)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (kwargs may be "self")
         __self._check_args(args, kwargs)
+        if getattr(__obj, "__name__", "") == "join" and args and not isinstance(args[0], (str, list, tuple, dict)):
+            args = (list(args[0]), *args[1:])
+        check_method(__obj, args, __self._limits())
         result = ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
-        __self._limits().check_size(_size(result), "a call result")
+        __self._limits().check_size(length(result), "a call result")
         return result
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
-        """str.format / format_map, with the format string's widths checked first."""
+        """str.format / format_map, with the format string's widths and fields checked first."""
         wrapped = super().wrap_str_format(value)
         if wrapped is None:
             return None
         fmt = str(value.__self__)
 
         def checked(*args: Any, **kwargs: Any) -> str:
-            _check_format_widths(fmt, self._limits())
+            values = [*args, *kwargs.values()]
+            if getattr(value, "__name__", "") == "format_map" and args and isinstance(args[0], dict):
+                values = list(args[0].values())
+            check_format(fmt, values, self._limits())
             return wrapped(*args, **kwargs)
         return checked
 
-
-def _check_format_widths(fmt: str, budget: _Budget) -> None:
-    """'%999999999d' / '{:999999999}' would allocate their width before any check could run."""
-    for width, precision in _FORMAT_WIDTHS.findall(fmt):
-        for digits in (width, precision):
-            if digits and (len(digits) > 9 or int(digits) > budget.max_chars):
-                raise ChatTemplateError("the chat template formats with a width too large")
+def _ints(*values: Any) -> bool:
+    return all(isinstance(v, int) for v in values)
 
 
 def _make_dict(*args: Any, **kwargs: Any) -> dict:
@@ -247,18 +270,16 @@ def _check_nesting(source: str) -> None:
         tag_start = kind == "block_begin"
 
 
-def _tracer(budget: _Budget) -> Callable:
-    """sys.settrace hook: per-line deadline checks inside the template's own frames only."""
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            budget.check_time()
-        return local
-
-    def global_(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code.co_filename == "<template>":
-            return local
-        return None
-    return global_
+def _compile_within(source: str, budget: Budget) -> Any:
+    """The cached compiled template, compiled under the render's deadline when not cached."""
+    previous_trace = sys.gettrace()
+    sys.settrace(compile_tracer(budget))
+    try:
+        return _compile(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+    finally:
+        sys.settrace(previous_trace)
 
 
 def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -279,19 +300,21 @@ def render_template(
     variables: dict[str, Any] | None = None,
     timeout_s: float = RENDER_TIMEOUT_S,
     max_chars: int = MAX_RENDER_CHARS,
+    max_source_chars: int | None = MAX_TEMPLATE_CHARS,
 ) -> str:
-    """Render one conversation. Raises ChatTemplateError (a ValueError) for a template that
-    does not compile, raises, runs past `timeout_s` or writes more than `max_chars`."""
+    """Render one conversation. Raises ChatTemplateError (a ValueError) for a template longer
+    than `max_source_chars` (None: a trusted template, any length), or that does not compile,
+    raises, or runs past `timeout_s` (compiling included) or writes more than `max_chars`."""
+    if max_source_chars is not None and len(source) > max_source_chars:
+        raise ChatTemplateError(f"the chat template is {len(source)} characters long, more than the limit of "
+                                f"{max_source_chars}")
     messages = _alias_reasoning([dict(m) for m in messages])
     if continue_final_message:  # a tag marks where the final message ends, wherever the template puts it
         if not messages or not isinstance(messages[-1].get("content"), str):
             raise ChatTemplateError("continue_final_message needs a final message with text content")
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
-    try:
-        template = _compile(source)
-    except TemplateError as e:
-        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
-    budget = _Budget(timeout_s, max_chars)
+    budget = Budget(timeout_s, max_chars)
+    template = _compile_within(source, budget)
     context = {**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
     context.setdefault("tools", None)
     context.setdefault("documents", None)
@@ -299,7 +322,7 @@ def render_template(
     total = 0
     previous_trace = sys.gettrace()
     _ACTIVE.budget = budget
-    sys.settrace(_tracer(budget))
+    sys.settrace(render_tracer(budget))
     try:
         for chunk in template.generate(**context):
             total += len(chunk)

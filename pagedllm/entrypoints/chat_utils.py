@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pagedllm.entrypoints.chat_template import MAX_RENDER_CHARS
+from pagedllm.entrypoints.chat_template import MAX_RENDER_CHARS, MAX_TEMPLATE_CHARS
 from pagedllm.entrypoints.chat_turns import render_fitted
 from pagedllm.entrypoints.tool_templates import tool_template_for, uses_tools
 from pagedllm.sampling_params import check_text
@@ -167,9 +167,9 @@ def render_conversations(
     if template_is_text and chat_template is not None:
         if not isinstance(chat_template, str) or "{" not in chat_template:
             raise ValueError("chat_template must be Jinja template text")
-        template = chat_template
+        template, max_source = chat_template, MAX_TEMPLATE_CHARS  # a request's: untrusted
     else:
-        template = resolve_chat_template(tokenizer, chat_template)
+        template, max_source = resolve_chat_template(tokenizer, chat_template), None
     variables = {**_special_tokens(tokenizer), **extra}
     prompts: list[str | dict[str, Any]] = []
     for i, conv in enumerate(conversations):
@@ -180,6 +180,7 @@ def render_conversations(
             text = render_fitted(
                 source, conv, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, variables=variables, max_chars=max_chars,
+                max_source_chars=max_source,
             )
         except ValueError as e:  # raise_exception(), an error, a limit: the input or template is at fault
             raise ValueError(f"conversation {i}: {e}") from None

@@ -1,5 +1,6 @@
 """From a StructuredOutputsParams to an xgrammar grammar: validation without a tokenizer
-(for the front end) and compilation against the model's vocabulary (in the engine core).
+(for the front end) and the recipe the engine core compiles against the model's vocabulary
+(compile_pool.py). Specs past the size limits (limits.py) are refused before either.
 
 JSON grammars are bounded by default, because a small model takes any way out a grammar
 leaves it (blank lines without end, an integer that never stops):
@@ -21,6 +22,7 @@ import re
 from typing import Any
 
 from pagedllm.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
+from pagedllm.structured_output import limits
 
 JSON_MAX_INDENT = 20
 JSON_MAX_DIGITS = 15
@@ -53,12 +55,15 @@ _SCHEMAS = ("additionalProperties", "items", "additionalItems", "unevaluatedProp
 # Assertions xgrammar does not enforce: output could break them, so they are refused.
 _UNSUPPORTED = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "contains",
                 "minContains", "maxContains")
+_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
 _STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 
 
 def _choice_regex(choices: list[str]) -> str:
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+    """Only regex syntax is escaped: xgrammar warns (a log line per character) on escapes it
+    does not know, such as re.escape's `\\ `."""
+    return "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in choices) + ")"
 
 
 def _load(spec: str | dict, what: str) -> Any:
@@ -206,9 +211,11 @@ def _bound_formats(fmt: Any, bound: bool) -> Any:
 
 def recipe(params: StructuredOutputsParams) -> tuple[str, tuple, dict]:
     """(kind, args, kwargs) of the xgrammar call: kind is json_schema, regex, grammar or
-    structural_tag (Grammar.from_<kind> / GrammarCompiler.compile_<kind>)."""
+    structural_tag (Grammar.from_<kind> / GrammarCompiler.compile_<kind>). ValueError for a
+    spec past the size limits (limits.py), before any parsing."""
     import xgrammar as xgr
 
+    limits.check(params)
     kind, spec = params.key()
     bound = not params.unbounded
     if kind in ("json", "json_object"):
@@ -247,46 +254,27 @@ def validate(params: StructuredOutputsParams) -> None:
     Cheap (no vocabulary involved), so the front end can answer 400 before scheduling."""
     import xgrammar as xgr
 
-    kind = _kind(params)
+    kind = kind_of(params)
     try:
         what, args, kwargs = recipe(params)
         build = {"json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex,
                  "grammar": xgr.Grammar.from_ebnf, "structural_tag": xgr.Grammar.from_structural_tag}[what]
         build(*args, **kwargs)
     except Exception as e:  # ours are ValueErrors, xgrammar's parse errors RuntimeErrors
-        raise ValueError(_message(kind, e)) from None
+        raise ValueError(message(kind, e)) from None
 
 
-def _kind(params: StructuredOutputsParams) -> str:
+def kind_of(params: StructuredOutputsParams) -> str:
     return next((k for k in STRUCTURED_OUTPUT_KINDS if getattr(params, k) not in (None, False)), "json")
 
 
-def _message(kind: str, e: Exception) -> str:
-    msg = _clean(e)
+def message(kind: str, e: Exception) -> str:
+    msg = clean_message(str(e).strip() or type(e).__name__)
     return msg if msg.startswith("structured_outputs.") else f"invalid structured_outputs.{kind}: {msg}"
 
 
-def _clean(e: Exception) -> str:
-    """Drop xgrammar's '[time] file:line:' prefix from its messages."""
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def clean_message(msg: str) -> str:
+    """xgrammar's message, first line only, without its '[time] file:line:' prefix."""
+    msg = msg.strip().splitlines()[0] if msg.strip() else msg
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
 
-
-class GrammarCompiler:
-    """One per engine: the tokenizer info is built once (about a second for a 262k
-    vocabulary), compiled grammars are cached by xgrammar per spec."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        import xgrammar as xgr
-
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self.vocab_size = vocab_size
-
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        kind = _kind(params)
-        try:
-            what, args, kwargs = recipe(params)
-            return getattr(self.compiler, f"compile_{what}")(*args, **kwargs)
-        except Exception as e:
-            raise ValueError(_message(kind, e)) from None

@@ -1,11 +1,12 @@
-"""Engine-core side of structured outputs: compile grammars off the busy loop, keep one
-matcher per request, build the step's token bitmask, advance matchers on accepted tokens.
-With a reasoning parser, a request's grammar starts only once its reasoning has ended
-(reasoner.py)."""
+"""Engine-core side of structured outputs: compile grammars off the busy loop (in child
+processes, with a time limit: compile_pool.py), keep one matcher per request, build the step's
+token bitmask, advance matchers on accepted tokens. With a reasoning parser, a request's
+grammar starts only once its reasoning has ended (reasoner.py)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,9 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import GrammarCompiler
+from pagedllm.structured_output.compile_pool import CompilePool, Ticket
+from pagedllm.structured_output.grammar import kind_of, message, recipe
+from pagedllm.structured_output.limits import env_timeout_s, env_workers
 from pagedllm.structured_output.reasoner import Reasoner
 
 logger = logging.getLogger(__name__)
@@ -23,7 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StructuredOutputRequest:
     params: StructuredOutputsParams
-    future: Future
+    future: Future  # of StructuredOutputManager._compile: (ticket, reasoner, reasoning ended)
+    ticket: Ticket | None = None
     matcher: Any = None
     error: str | None = None
     # The engine's reasoning tags (None: no reasoning parser), and whether this request's
@@ -35,16 +39,27 @@ class StructuredOutputRequest:
         """True once compiled (matcher built) or failed (error set)."""
         if self.matcher is not None or self.error is not None:
             return True
-        if not self.future.done():
-            return False
         try:
+            if self.ticket is None:
+                if not self.future.done():
+                    return False
+                self.ticket, self.reasoner, self.reasoning_ended = self.future.result()
+            if not self.ticket.done():
+                return False
             import xgrammar as xgr
 
-            grammar, self.reasoner, self.reasoning_ended = self.future.result()
-            self.matcher = xgr.GrammarMatcher(grammar)
+            self.matcher = xgr.GrammarMatcher(self.ticket.result())
         except Exception as e:
             self.error = str(e)
         return True
+
+    def cancel(self) -> None:
+        """The request is gone: its compile is dropped, or its process killed, unless another
+        request shares it."""
+        if self.ticket is not None:
+            self.ticket.release()
+        elif not self.future.cancel():
+            self.future.add_done_callback(_release_ticket)
 
     def accept_token(self, token: int) -> bool:
         """Advance on one output token; False if the grammar refuses it or is complete after it.
@@ -55,30 +70,69 @@ class StructuredOutputRequest:
         return self.matcher.accept_token(token) and not self.matcher.is_terminated()
 
 
+def _release_ticket(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result()[0].release()
+
+
+class GrammarCompiler:
+    """One per engine: the tokenizer info, built once (about a second for a 262k vocabulary),
+    and the compiler processes."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], workers: int,
+                 timeout_s: float) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.pool = CompilePool(info, workers, timeout_s)
+
+    def compile(self, params: StructuredOutputsParams) -> Ticket:
+        """A ticket for the compiled grammar; ValueError at once if the spec is refused."""
+        kind = kind_of(params)
+        try:
+            what, args, kwargs = recipe(params)
+        except Exception as e:
+            raise ValueError(message(kind, e)) from None
+        key = (what, repr(args), repr(sorted(kwargs.items())))
+        return self.pool.submit(key, f"structured_outputs.{kind}", (what, args, kwargs))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig, reasoning_parser: str | None = None) -> None:
         self.model_config = model_config
         self.reasoning_parser = reasoning_parser
         self.vocab_size = model_config.text_config.vocab_size
-        # One worker: compilations are short, and they must not take the cores from the forward pass.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.compile_workers = env_workers()
+        self.compile_timeout_s = env_timeout_s()
+        # Threads only load the tokenizer (once) and hand recipes to the compiler processes.
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._setup_lock = threading.Lock()
         self._compiler: GrammarCompiler | None = None
         self._reasoner: Reasoner | None = None
 
-    def _compile(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> tuple:
-        """(compiled grammar, reasoner, whether the prompt already ended the reasoning)."""
-        if self._compiler is None:  # the tokenizer is needed only once a grammar request arrives
-            from pagedllm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
+    def _setup(self) -> GrammarCompiler:
+        with self._setup_lock:
+            if self._compiler is None:  # the tokenizer is needed only once a grammar request arrives
+                from pagedllm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
-            mc = self.model_config
-            tokenizer = get_tokenizer(mc.tokenizer, mc.trust_remote_code)
-            stop_ids = get_eos_token_ids(mc.model_path, tokenizer)
-            if self.reasoning_parser is not None:
-                self._reasoner = Reasoner.from_tokenizer(self.reasoning_parser, tokenizer)
-            self._compiler = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)
+                mc = self.model_config
+                tokenizer = get_tokenizer(mc.tokenizer, mc.trust_remote_code)
+                stop_ids = get_eos_token_ids(mc.model_path, tokenizer)
+                if self.reasoning_parser is not None:
+                    self._reasoner = Reasoner.from_tokenizer(self.reasoning_parser, tokenizer)
+                self._compiler = GrammarCompiler(tokenizer, self.vocab_size, stop_ids, self.compile_workers,
+                                                 self.compile_timeout_s)
+            return self._compiler
+
+    def _compile(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> tuple:
+        """(ticket of the compiled grammar, reasoner, whether the prompt already ended the reasoning)."""
+        compiler = self._setup()
         reasoner = self._reasoner
         ended = reasoner is None or reasoner.is_reasoning_end(prompt_token_ids)
-        return self._compiler.compile(params), reasoner, ended
+        return compiler.compile(params), reasoner, ended
 
     def submit(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> StructuredOutputRequest:
         return StructuredOutputRequest(params, self.executor.submit(self._compile, params, prompt_token_ids))
@@ -118,6 +172,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._compiler is not None:
+            self._compiler.close()
 
 
 def _walk_drafts(matcher, drafts: list[int], bitmask: torch.Tensor | None = None, row: int = 0) -> int:

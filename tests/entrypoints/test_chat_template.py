@@ -83,7 +83,26 @@ def test_same_text_as_transformers(tok, template, mode):
     ("{% set ns = namespace() %}{% set ns.__class__ = 1 %}", "underscore"),
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
     ("{{ unclosed }", "does not compile"),
-])
+    ('{% set ns = namespace(x="ab") %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}',
+     r"concatenation \(~\) larger than 1000000"),
+    ('{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}',
+     "number too large"),
+] + [(f'{{% set s = "a" * 100000 %}}{expr}', match) for expr, match in [
+    ("{{ ([s] * 64) | join }}", "join larger"),
+    ("{{ ''.join([s] * 64) }}", "join larger"),
+    ("{{ ([s] * 64) | map('upper') | join('-') }}", "join larger"),
+    ("{{ s.replace('a', 'b' * 64) }}", "replacement larger"),
+    ("{{ s | replace('a', 'b' * 64) }}", "replacement larger"),
+    ("{{ [s] * 64 }}", "output value larger"),
+    ("{{ {'k': [s] * 64} }}", "output value larger"),
+    ("{{ ([s] * 64) | tojson }}", "tojson result larger"),
+    ("{{ ([s] * 64) | string }}", "string result larger"),
+    ("{{ ('{0}' * 64).format(s) }}", "formatted string larger"),
+    ("{{ ('%s' * 64) % ((s,) * 64) }}", "formatted string larger"),
+    ("{{ ('%s' * 64) | format(*([s] * 64)) }}", "formatted string larger"),
+    ("{{ ('x' ~ '\n' * 100000) | indent(64) }}", "indented string larger"),
+    ("{{ ('\t' * 100000).expandtabs(64) }}", "expanded string larger"),
+]])
 def test_hostile_templates_fail_fast_and_clearly(source, match):
     msgs = [{"role": "user", "content": "hi"}] * 40
     start = time.monotonic()
@@ -137,3 +156,43 @@ def test_chat_template_kwargs_of_the_wrong_type(tok, kwargs, match):
 def test_lone_surrogate_in_a_message_is_a_value_error(tok):
     with pytest.raises(ValueError, match="lone surrogate"):
         render_conversations(tok, [{"role": "user", "content": "hi \ud800"}], chat_template=LLAMA3_LIKE)
+
+
+def test_size_checks_refuse_before_building():
+    """The would-be size is refused, not the built one: no 256 MB string on the way to the error."""
+    import tracemalloc
+
+    source = '{% set s = "a" * 4000000 %}{{ ([s] * 64) | join }}{{ s.replace("a", "b" * 64) }}'
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError, match="larger than 16777216"):
+            render_template(source, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 * 1024
+
+
+def test_checked_operations_still_work():
+    source = ("{{ messages | map(attribute='content') | join(', ') }}|{{ 'a' ~ 1 ~ none }}|"
+              "{{ 'xy'.replace('x', 'z') }}|"
+              "{{ '%s-%d' % ('a', 2) }}|{{ '{0}!'.format('b') }}|{{ 'p\nq' | indent(2) }}|{{ [1, 'b'] }}|"
+              "{{ ['c', 'd'] | tojson }}|{{ '%s' | format('e') }}")
+    out = render_template(source, MSGS[:2], add_generation_prompt=True)
+    assert out == 'Be brief., What is 2+2? |a1None|zy|a-2|b!|p\n  q|[1, \'b\']|["c", "d"]|e'
+
+
+def test_template_source_is_capped_and_compiled_within_the_time_limit(tok):
+    from pagedllm.entrypoints.chat_template import MAX_TEMPLATE_CHARS
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=f"more than the limit of {MAX_TEMPLATE_CHARS}"):
+        render_conversations(tok, msgs, chat_template="{{ 1 }}" + " " * MAX_TEMPLATE_CHARS, template_is_text=True)
+    big = "{{ messages[0].content }}" * (MAX_TEMPLATE_CHARS // 25)
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="too long to compile"):
+        render_template(big, msgs, add_generation_prompt=True, timeout_s=0.05)
+    assert time.monotonic() - start < 1
+    # an operator's template (a file or the model's own) is trusted with any length
+    (got,) = render_conversations(tok, msgs, chat_template="{{ 'x' }}" + " " * MAX_TEMPLATE_CHARS)
+    assert got.startswith("x")

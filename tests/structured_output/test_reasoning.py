@@ -4,6 +4,8 @@ processor closes the block at a chosen step, as a reasoning model would."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -80,8 +82,10 @@ def test_drafts_stop_at_the_end_of_the_reasoning(qwen3):
     manager = qwen3.llm_engine.engine_core.structured_output_manager
     end = qwen3.get_tokenizer().convert_tokens_to_ids("</think>")
     so = manager.submit(StructuredOutputsParams(choice=CHOICES), _ids(qwen3, "Hi <think>"))
-    so.future.result()
-    assert so.ready() and not so.reasoning_ended
+    deadline = time.monotonic() + 60
+    while not so.ready() and time.monotonic() < deadline:  # compiled in a child process
+        time.sleep(0.01)
+    assert so.ready() and so.error is None and not so.reasoning_ended
     assert manager.valid_prefix(so, [7, 8, end, 9, 10]) == [7, 8, end]
     assert manager.grammar_bitmask([("r", so, [])]) is None  # still reasoning: no row to mask
     for token in (7, end):

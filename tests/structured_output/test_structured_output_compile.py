@@ -105,17 +105,17 @@ def test_compiling_grammar_does_not_block_others(llama, monkeypatch):
 
 
 def test_same_spec_compiles_once(llama):
-    """xgrammar's compiler cache: a spec seen before adds nothing; a new one does."""
+    """The compiled-grammar cache: a spec seen before adds nothing; a new one does."""
     manager = llama.llm_engine.engine_core.structured_output_manager
     so = StructuredOutputsParams(regex=r"(ab|cd){1,3}-[0-9]{1,2}\.")
     llama.generate(PROMPTS[0], SamplingParams(structured_outputs=so, temperature=0), use_tqdm=False)
-    size = manager._compiler.compiler.get_cache_size_bytes()
+    size = manager._compiler.pool.cache_size_bytes()
     assert size > 0
     same = StructuredOutputsParams(regex=r"(ab|cd){1,3}-[0-9]{1,2}\.")
     outs = llama.generate(PROMPTS, SamplingParams(structured_outputs=same, n=3, temperature=1.0, seed=9),
                           use_tqdm=False)
     assert all(re.fullmatch(r"(ab|cd){1,3}-[0-9]{1,2}\.", c.text) for o in outs for c in o.outputs)
-    assert manager._compiler.compiler.get_cache_size_bytes() == size
+    assert manager._compiler.pool.cache_size_bytes() == size
     other = StructuredOutputsParams(regex=r"(ab|cd){1,3}-[0-9]{1,2}!")
     llama.generate(PROMPTS[0], SamplingParams(structured_outputs=other, temperature=0), use_tqdm=False)
-    assert manager._compiler.compiler.get_cache_size_bytes() > size
+    assert manager._compiler.pool.cache_size_bytes() > size

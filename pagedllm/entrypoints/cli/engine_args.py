@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-n", type=int, default=d.max_n,
                         help="most samples (n, best_of) one request may ask for; more is an error (HTTP 400)")
+    parser.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
+                        help="most sequences (prompts x n, or best_of) one request may start; more is an error "
+                             "(HTTP 400)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,

@@ -14,6 +14,8 @@ from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_fr
 from pagedllm.entrypoints.openai.server_config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_LOG_STATS_INTERVAL_S,
+    DEFAULT_MAX_CONVERSATION_ITEM_BYTES,
+    DEFAULT_MAX_CONVERSATION_ITEMS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_TOOL_OUTPUT_BYTES,
     MAX_PARALLEL_TOOL_CALLS,
@@ -82,6 +84,10 @@ def add_serve_parser(subparsers) -> None:
                         "response still running past it is cancelled (default: no expiry)")
     p.add_argument("--disable-responses-store", action="store_true",
                    help="store nothing: store=true and background responses get 400, conversations are off")
+    p.add_argument("--max-conversation-items", type=int, default=DEFAULT_MAX_CONVERSATION_ITEMS,
+                   help="most items one conversation holds; adding past it is a 400 (default: %(default)s)")
+    p.add_argument("--max-conversation-item-bytes", type=int, default=DEFAULT_MAX_CONVERSATION_ITEM_BYTES,
+                   help="largest conversation item (its JSON, in bytes); a larger one is a 400 (default: %(default)s)")
     p.add_argument("--max-tool-output-bytes", type=int, default=DEFAULT_MAX_TOOL_OUTPUT_BYTES,
                    help="largest output one POST /v1/responses/{id}/tool_outputs may carry (default: %(default)s)")
     p.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S,

@@ -22,6 +22,7 @@ from starlette.types import Scope
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.body_checks import MAX_JSON_DEPTH
+from pagedllm.entrypoints.openai.conversation_limits import ConversationLimits
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
@@ -143,7 +144,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     embedding = OpenAIServingEmbedding(engine, models, metrics)
     scoring = OpenAIServingScore(engine, models, metrics)
     store = None if config.disable_responses_store else make_response_store(
-        config.responses_store, config.responses_store_max_entries, config.responses_store_ttl)
+        config.responses_store, config.responses_store_max_entries, config.responses_store_ttl,
+        conversation_limits=ConversationLimits(config.max_conversation_items, config.max_conversation_item_bytes))
     created = OpenAIServingResponses(chat, ResponseRegistry(store, config.responses_store_ttl),
                                      store_enabled=store is not None)
     if config.enable_log_requests:

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.openai.conversation_limits import ConversationLimits
+
 Clock = Callable[[], float]
 
 
@@ -46,6 +48,8 @@ class ResponseStore(ABC):
 
     Adding or deleting a conversation's items counts as a write of the conversation, so a conversation in use
     neither expires nor is evicted. `clock` (wall time, so SQLite ages survive a restart) is injectable for tests."""
+
+    conversation_limits = ConversationLimits()  # items per conversation, bytes per item
 
     def __init__(self, max_entries: int = 1000, ttl: float | None = None, *, clock: Clock = time.time):
         if max_entries < 1:
@@ -162,6 +166,7 @@ class InMemoryResponseStore(ResponseStore):
         with self._writing() as now:
             if conversation_id not in self._conversations:
                 raise KeyError(conversation_id)
+            self.conversation_limits.check(len(self._items[conversation_id]), [text for _, text in texts])
             self._items[conversation_id].extend(texts)
             self._touch(self._conversations, conversation_id, now, self._conversations[conversation_id][1])
 
@@ -297,6 +302,10 @@ class SQLiteResponseStore(ResponseStore):
         with self._writing() as now:
             if self._conn.execute(_TOUCH_CONVERSATION, (now, conversation_id)).rowcount == 0:
                 raise KeyError(conversation_id)
+            (have,) = self._conn.execute(
+                "SELECT COUNT(*) FROM conversation_items WHERE conversation_id = ?", (conversation_id,)
+            ).fetchone()
+            self.conversation_limits.check(have, [row[2] for row in rows])
             self._conn.executemany(
                 "INSERT INTO conversation_items (conversation_id, item_id, data) VALUES (?, ?, ?)", rows
             )
@@ -332,15 +341,20 @@ _SQLITE_PREFIX = "sqlite:///"
 
 
 def make_response_store(
-    url: str | None, max_entries: int = 1000, ttl: float | None = None, *, clock: Clock = time.time
+    url: str | None, max_entries: int = 1000, ttl: float | None = None, *, clock: Clock = time.time,
+    conversation_limits: ConversationLimits | None = None,
 ) -> ResponseStore:
     """None or "memory" -> InMemoryResponseStore; "sqlite:///relative.db" or "sqlite:////abs/path.db" (the
     SQLAlchemy convention: the path is whatever follows the third slash) -> SQLiteResponseStore. A missing
     directory and any other form are a ValueError."""
+    store: ResponseStore
     if url is None or url == "memory":
-        return InMemoryResponseStore(max_entries, ttl, clock=clock)
-    if url.startswith(_SQLITE_PREFIX) and len(url) > len(_SQLITE_PREFIX):
-        return SQLiteResponseStore(url[len(_SQLITE_PREFIX) :], max_entries, ttl, clock=clock)
-    raise ValueError(
-        f"unsupported response store {url!r}: use 'memory', 'sqlite:///relative/path.db' or 'sqlite:////abs/path.db'"
-    )
+        store = InMemoryResponseStore(max_entries, ttl, clock=clock)
+    elif url.startswith(_SQLITE_PREFIX) and len(url) > len(_SQLITE_PREFIX):
+        store = SQLiteResponseStore(url[len(_SQLITE_PREFIX) :], max_entries, ttl, clock=clock)
+    else:
+        raise ValueError(f"unsupported response store {url!r}: use 'memory', 'sqlite:///relative/path.db' or "
+                         "'sqlite:////abs/path.db'")
+    if conversation_limits is not None:
+        store.conversation_limits = conversation_limits
+    return store

@@ -14,6 +14,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_PARALLEL_TOOL_CALLS = 8
 DEFAULT_MAX_TOOL_OUTPUT_BYTES = 1024 * 1024
+DEFAULT_MAX_CONVERSATION_ITEMS = 1000
+DEFAULT_MAX_CONVERSATION_ITEM_BYTES = 1024 * 1024
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 METRICS_COMPAT_CHOICES = ("vllm",)  # --metrics-compat: whose metric names /metrics repeats its series under
 
@@ -73,6 +75,8 @@ class ServerConfig:
     responses_store_ttl: float | None = None  # seconds after its last write a stored response expires
     disable_responses_store: bool = False
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    max_conversation_items: int = DEFAULT_MAX_CONVERSATION_ITEMS  # 400 past them
+    max_conversation_item_bytes: int = DEFAULT_MAX_CONVERSATION_ITEM_BYTES  # JSON bytes of one item
     # logs and metrics
     log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S  # seconds between stats lines
     disable_log_stats: bool = False

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.fan_out import check_sequences, feed_gradually, scheduler_limits, window
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -61,23 +62,29 @@ def _echo_only(request: CompletionRequest) -> bool:
     return request.echo and request.max_tokens == 0
 
 
+def _raw_prompts(request: CompletionRequest) -> list:
+    """The request's prompts, untokenized: a text, token ids, or a list of either."""
+    p = request.prompt
+    if isinstance(p, str):
+        raw: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        raw = [p]  # one prompt of token ids
+    else:
+        raw = list(p)
+    if not raw:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    return raw
+
+
 class OpenAIServingCompletion(OpenAIServing):
     def __init__(
         self, engine: EngineClient, models: OpenAIServingModels | list[str], metrics: ServerMetrics | None = None
     ) -> None:
         super().__init__(engine, models, metrics)
+        self.max_sequences, self.max_num_seqs = scheduler_limits(engine)
         self.special_ids = special_token_ids(self.tokenizer)  # see completion_logprobs_with_end
 
-    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        p = request.prompt
-        if isinstance(p, str):
-            raw: list = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            raw = [p]  # one prompt of token ids
-        else:
-            raw = list(p)
-        if not raw:
-            raise OpenAIError("prompt must not be empty", param="prompt")
+    def _prompts(self, request: CompletionRequest, raw: list) -> list[_Prompt]:
         prompts = []
         for item in raw:
             if isinstance(item, str):
@@ -108,7 +115,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo_only and request.min_tokens:
             raise OpenAIError("min_tokens must be 0 when max_tokens is 0", param="min_tokens")
         model = self.model_name(request.model)
-        prompts = await run_blocking(self._prompts, request)
+        raw = _raw_prompts(request)
+        samples = max(request.n or 1, request.best_of or 1)
+        check_sequences(len(raw), samples, self.max_sequences)
+        prompts = await run_blocking(self._prompts, request, raw)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
@@ -119,11 +129,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         request_id = f"cmpl-{request.request_id or random_id()}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [
+        streams = feed_gradually([
             self.generate({"prompt": p.text if p.from_text else None, "prompt_token_ids": p.token_ids},
                           params, rid, request)
             for p, rid in zip(prompts, ids)
-        ]
+        ], samples, self.max_num_seqs)
         created = int(time.time())
 
         async def abort_all() -> None:
@@ -131,7 +141,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 await self.abort(rid)
 
         if request.stream:
-            streams = await run_until_disconnected(raw_request, peek_all(streams))
+            first = window(samples, self.max_num_seqs)  # the others wait for these to end
+            streams = await run_until_disconnected(raw_request, peek_all(streams[:first])) + streams[first:]
             body = self._stream(request, prompts, streams, request_id, model, created)
             return EngineStreamingResponse(body, on_close=abort_all)
         finals = await run_until_disconnected(raw_request, _collect(streams))

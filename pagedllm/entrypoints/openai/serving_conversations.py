@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedllm.entrypoints.openai.conversation_limits import ConversationLimitError
 from pagedllm.entrypoints.openai.responses_items import check_metadata, new_id, normalize_input
 from pagedllm.entrypoints.openai.responses_protocol import (
     ConversationCreateRequest,
@@ -40,8 +41,18 @@ class OpenAIServingConversations:
                 "metadata": check_metadata(request.metadata)}
         self.store.put_conversation(conv)
         if items:
-            self.store.add_conversation_items(conv["id"], items)
+            try:
+                self._add(conv["id"], items, "items")
+            except OpenAIError:
+                self.store.delete_conversation(conv["id"])
+                raise
         return conv
+
+    def _add(self, conversation_id: str, items: list[dict[str, Any]], param: str) -> None:
+        try:
+            self.store.add_conversation_items(conversation_id, items)
+        except ConversationLimitError as e:
+            raise OpenAIError(str(e), param=param) from None
 
     def retrieve(self, conversation_id: str) -> dict[str, Any]:
         return self._get(conversation_id)
@@ -64,7 +75,7 @@ class OpenAIServingConversations:
     def add_items(self, conversation_id: str, request: ConversationItemsRequest) -> dict[str, Any]:
         self._get(conversation_id)
         items = normalize_input(request.items, "items")
-        self.store.add_conversation_items(conversation_id, items)
+        self._add(conversation_id, items, "items")
         return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
                 "has_more": False}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.chat_tools import tool_constraint, tool_mode
+from pagedllm.entrypoints.openai.conversation_limits import ConversationLimitError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.response_utils import DeltaTracker, chat_logprobs
 from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
@@ -138,6 +140,12 @@ class OpenAIServingResponses:
         if session is None:
             history, conv_id = self._history(request)
             new_items = normalize_input(request.input)
+            if conv_id is not None and self.registry.store is not None:  # room for the input and an output
+                try:
+                    self.registry.store.conversation_limits.check(
+                        len(history), [json.dumps(item, ensure_ascii=False) for item in new_items] + [""])
+                except ConversationLimitError as e:
+                    raise OpenAIError(str(e), param="input") from None
         else:
             history, conv_id, new_items = session.history, None, []
         items = history + new_items
@@ -280,6 +288,8 @@ class OpenAIServingResponses:
             store.add_conversation_items(conv_id, turn_input + session.new_output())
         except KeyError:  # deleted meanwhile
             logger.info("conversation %s is gone; response %s not added to it", conv_id, session.id)
+        except ConversationLimitError as e:  # the turn itself outgrew a limit: the response stands alone
+            logger.warning("response %s not added to conversation %s: %s", session.id, conv_id, e)
 
 
 async def _check_constraint(constraint: StructuredOutputsParams | None, param: str) -> None:

@@ -73,28 +73,39 @@ async def run_until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
 
 async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of all iterators as they come, tagged with the iterator's index. Closing the
-    merged iterator (or an error in one) cancels and closes all the others."""
+    merged iterator (or an error in one) cancels and closes all the others. One task per
+    iterator feeds a shared queue: the cost per item stays constant however many prompts."""
     if len(iterators) == 1:
         async for item in iterators[0]:
             yield 0, item
         return
-    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                queue.put_nowait((i, item, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, _END, None))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                try:
-                    item = fut.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, item
-                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+        live = len(tasks)
+        while live:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                live -= 1
+                continue
+            yield i, item
     finally:
-        for fut in pending:
-            fut.cancel()
+        for task in tasks:
+            task.cancel()
         with anyio.CancelScope(shield=True):
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for it in iterators:
                 aclose = getattr(it, "aclose", None)
                 if aclose is not None:
@@ -102,6 +113,9 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
                         await aclose()
                     except Exception:  # noqa: S110 - best effort; the engine aborts on close
                         pass
+
+
+_END = object()
 
 
 async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -198,3 +198,16 @@ def test_deeply_nested_templates_are_400(fake_engine, template, needle):
     nested = "{% if 1 %}" * 16 + "{{ " + "(" * 16 + "'ok'" + ")" * 16 + " }}" + "{% endif %}" * 16
     r = client.post("/tokenize", json={"messages": MSGS, "chat_template": nested, "return_token_strs": True})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("template", "needle"), [
+    ('{% set ns = namespace(x="ab") %}{% for i in range(28) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}',
+     "concatenation (~) larger than"),
+    ('{% set s = "a" * 1000 %}{{ ([s] * 64) | join }}', "join larger than"),
+    ('{% set s = "a" * 1000 %}{{ s.replace("a", "b" * 64) }}', "replacement larger than"),
+    ("{{ 1 }}" + " " * 64 * 1024, "more than the limit of 65536"),
+])
+def test_template_size_limits_are_400_at_the_defaults(fake_engine, template, needle):
+    client = TestClient(_app(fake_engine, trust_request_chat_template=True), raise_server_exceptions=False)
+    for route in ("/tokenize", "/v1/chat/completions"):
+        _error(client.post(route, json={"messages": MSGS, "chat_template": template, "max_tokens": 2}), 400, needle)

@@ -24,7 +24,8 @@ def test_every_server_flag_reaches_the_config():
         "--tool-call-parser", "mistral", "--tool-choice-auto-grammar", "--max-parallel-tool-calls", "2",
         "--reasoning-parser", "qwen3", "--uvicorn-log-level", "warning", "--enable-tokenizer-info-endpoint",
         "--responses-store", "sqlite:///r.db", "--responses-store-max-entries", "5", "--responses-store-ttl", "60",
-        "--disable-responses-store", "--max-tool-output-bytes", "99", "--enable-lora", "--lora-modules", "a=/p",
+        "--disable-responses-store", "--max-tool-output-bytes", "99", "--max-conversation-items", "7",
+        "--max-conversation-item-bytes", "88", "--enable-lora", "--lora-modules", "a=/p",
         "--log-stats-interval", "2.5", "--disable-log-stats", "--enable-log-requests", "--max-log-len", "40",
         "--metrics-compat", "vllm"])
     config = ServerConfig.from_namespace(args)
@@ -34,7 +35,8 @@ def test_every_server_flag_reaches_the_config():
         max_parallel_tool_calls=2, reasoning_parser="qwen3", max_request_body_bytes=100, api_key="k",
         metrics_no_auth=True, allowed_origins=("http://x", "http://y"), enable_tokenizer_info_endpoint=True,
         responses_store="sqlite:///r.db", responses_store_max_entries=5, responses_store_ttl=60.0,
-        disable_responses_store=True, max_tool_output_bytes=99, lora_modules=(LoRAModulePath("a", "/p"),),
+        disable_responses_store=True, max_tool_output_bytes=99, max_conversation_items=7,
+        max_conversation_item_bytes=88, lora_modules=(LoRAModulePath("a", "/p"),),
         log_stats_interval=2.5, disable_log_stats=True, enable_log_requests=True, max_log_len=40,
         metrics_compat="vllm",
         host="127.0.0.1", port=9,

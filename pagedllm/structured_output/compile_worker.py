@@ -1,0 +1,64 @@
+"""A grammar-compiling child process: `python -m pagedllm.structured_output.compile_worker
+IN_FD OUT_FD`.
+
+xgrammar's compile runs in C++ and cannot be interrupted, so a compile that is past its time
+limit, or whose requests are gone, is stopped by killing the process that runs it
+(compile_pool.py). On IN_FD it reads the tokenizer info (xgrammar's JSON), then compile jobs
+(kind, args, kwargs: a `GrammarCompiler.compile_<kind>` call); on OUT_FD it answers ("ready",
+None) once, then ("ok", compiled grammar as xgrammar's JSON) or ("error", message) per job. It
+exits when the engine closes its end of IN_FD, or dies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+
+def serve(recv: Connection, send: Connection) -> None:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(recv.recv())
+    # The engine caches compiled grammars; a cache here would only hold a copy of them.
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    send.send(("ready", None))
+    while True:
+        try:
+            kind, args, kwargs = recv.recv()
+        except EOFError:
+            return
+        try:
+            reply = ("ok", getattr(compiler, f"compile_{kind}")(*args, **kwargs).serialize_json())
+        except Exception as e:  # any compile failure is the request's, sent back as text
+            reply = ("error", str(e) or type(e).__name__)
+        send.send(reply)
+
+
+def _exit_with_parent() -> None:
+    """A compile can run for minutes without reading IN_FD: an engine that died meanwhile is
+    noticed here (xgrammar releases the GIL while it compiles)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    _exit_with_parent()
+    recv = Connection(int(argv[0]), writable=False)
+    send = Connection(int(argv[1]), readable=False)
+    try:
+        serve(recv, send)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the engine is gone, or Ctrl-C reached the whole process group
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
