@@ -84,9 +84,8 @@ def test_a_batch_request_does_not_starve_a_later_one(server):
     took = time.monotonic() - start
     assert resp.status_code == 200
     assert thread.is_alive(), "the batch ended before the plain request was sent: nothing was measured"
-    # Starved, it would wait for the whole batch (~95 s here before the fix, and the batch would be
-    # over); fed in slices it waits a slice or so: ~3 s on a quiet 2-core machine, ~12 s beside
-    # another test worker.
+    # Starved, it would wait for the whole batch (~95 s, and the batch would be over); fed in slices
+    # it waits a slice or so: ~3 s on a quiet 2-core machine, ~12 s beside another test worker.
     assert took < 20.0, f"a plain request waited {took:.1f} s behind a 1,000-prompt batch"
     thread.join(300)
     assert results and results[0].status_code == 200
