@@ -1,20 +1,26 @@
 """The "ray" backend on a real two-node Ray cluster (`ray.cluster_utils.Cluster`: two raylets on
 this machine, one CPU each): ranks are actors in a placement group, same tokens as in process,
-a killed actor is an error, not a hang, and shutdown leaves no actor behind."""
+a killed actor is an error, not a hang, and shutdown leaves no actor, and no actor's process, behind."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import types
+import weakref
 
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor import ray_distributed_executor
 from pagedllm.executor.abstract import WorkerDiedError
 from tests.utils import make_tiny_model
 
@@ -41,10 +47,37 @@ def _llm(model: str, **kw) -> LLM:
     return LLM(model, dtype="float32", kv_cache_memory=1 << 24, **kw)
 
 
+def _gone(pids: list[int], timeout: float) -> bool:
+    """Whether every process of `pids` is gone (or a zombie) within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                alive += [pid] if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE else []
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.05)
+
+
+def _wait_for_cpus(n: int) -> None:
+    """The placement group's bundles come back to the cluster."""
+    for _ in range(50):
+        if ray.available_resources().get("CPU") == n:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == n
+
+
 def test_one_rank_as_an_actor(cluster, tiny_llama):
+    """Also: shutdown after the actor was killed from outside, and a second shutdown, return at
+    once and leave no process."""
     expected = _tokens(_llm(tiny_llama))
     llm = _llm(tiny_llama, distributed_executor_backend="ray")
     executor = llm.llm_engine.engine_core.model_executor
+    pids = executor.worker_pids
     try:  # a failure here must not leave the placement group holding the cluster's CPUs
         assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.workers) == 1
         assert _tokens(llm) == expected
@@ -58,13 +91,15 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
         with pytest.raises(WorkerDiedError, match="died during"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
+        start = time.monotonic()
         executor.shutdown()
+        first = time.monotonic() - start
+    assert first < 8 and _gone(pids, 0)  # within the executor's wait, and the process is gone
+    start = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - start < 0.5
     assert executor.workers == [] and executor.placement_group is None
-    for _ in range(50):  # the bundles come back
-        if ray.available_resources().get("CPU") == 2:
-            break
-        time.sleep(0.1)
-    assert ray.available_resources().get("CPU") == 2
+    _wait_for_cpus(2)
 
 
 # Each architecture's TP and PP are checked against one rank in tests/distributed (mp backend);
@@ -103,3 +138,51 @@ def test_an_existing_cluster_is_found_through_ray_address(cluster, tiny_llama):
     assert done.returncode == 0, done.stderr[-3000:]
     num_nodes, tokens = json.loads(done.stdout.strip().splitlines()[-1])
     assert num_nodes == 2 and tokens == _tokens(_llm(tiny_llama))
+
+
+def test_del_under_load_leaves_no_worker_process(cluster, tiny_llama):
+    """`del llm` on a busy machine: the executor's finalizer kills both ranks' actors and waits
+    until their processes are gone."""
+    llm = _llm(tiny_llama, distributed_executor_backend="ray", tensor_parallel_size=2)
+    executor = llm.llm_engine.engine_core.model_executor
+    pids = executor.worker_pids
+    assert len(pids) == 2 and all("RayWorkerWrapper" in " ".join(psutil.Process(p).cmdline()) for p in pids)
+    collected = weakref.ref(executor)
+    del executor
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        start = time.monotonic()
+        del llm
+        gc.collect()
+        assert collected() is None
+        assert _gone(pids, 10 - (time.monotonic() - start)), f"Ray workers {pids} still alive after 10 s"
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    _wait_for_cpus(2)
+
+
+def test_shutdown_after_ray_is_gone_kills_leftover_processes(monkeypatch):
+    """Ray already shut down (the handles are void): shutdown still waits for the processes,
+    SIGKILLs those that outlive the wait, names them in a warning, and runs once."""
+    monkeypatch.setattr(ray_distributed_executor, "_SHUTDOWN_WAIT_S", 0.3)
+    stubborn = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: False, shutdown=lambda: pytest.fail("not started here"))
+    workers = ray_distributed_executor._RayWorkers(fake_ray, lambda pg: pytest.fail("Ray is gone"), started_ray=True,
+                                                   actors=[object()], procs=[psutil.Process(stubborn.pid), None])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    ray_distributed_executor.logger.addHandler(handler)
+    try:
+        start = time.monotonic()
+        workers.close()
+        workers.close()
+        assert time.monotonic() - start < 3
+        assert stubborn.wait(timeout=5) == -9
+    finally:
+        ray_distributed_executor.logger.removeHandler(handler)
+        stubborn.kill()
+        stubborn.wait()
+    assert [str(stubborn.pid) in r.getMessage() and r.levelno == logging.WARNING for r in records] == [True]
