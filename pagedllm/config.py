@@ -341,17 +341,18 @@ def cpu_has_native_bf16() -> bool:
     return cpu_isa.has_native_bf16()
 
 
-QUANTIZATION_METHODS = ("int8", "int4")
+# int8 / int4: the engine's own weight-only copies, made at load; gguf: a GGUF file's own blocks.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
 # What a GGUF checkpoint with quantized tensors runs as on CPU when --quantization is not given.
-GGUF_CPU_QUANTIZATION = "int4"
+GGUF_CPU_QUANTIZATION = "gguf"
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:
     if method is None or method == "none":
         return
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None, 'none', 'int8' or 'int4'; got {method!r}")
+        raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf'; got {method!r}")
     if device.type != "cpu":
         # The kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
         raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
@@ -369,6 +370,8 @@ def resolve_quantization(
 
     if method == "none":
         return None
+    if method == "gguf" and not os.path.isfile(os.path.join(model_path, "gguf_source.json")):
+        raise ValueError(f"quantization='gguf' runs a GGUF file's own blocks; {model_path} is not a GGUF file")
     full_precision = dtype in (torch.float32, "float32", "float")
     if method is None and device.type == "cpu" and not full_precision and gguf_is_quantized(model_path):
         return GGUF_CPU_QUANTIZATION

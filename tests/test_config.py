@@ -4,7 +4,7 @@ configured, with clear ValueErrors."""
 import pytest
 import torch
 
-from pagedllm.config import check_quantization
+from pagedllm.config import GGUF_CPU_QUANTIZATION, QUANTIZATION_METHODS, check_quantization, resolve_quantization
 from pagedllm.engine.arg_utils import EngineArgs
 
 # ---- speculative_config --------------------------------------------------------------------------------------
@@ -68,14 +68,25 @@ def test_long_prefill_token_threshold(tiny_llama):
 # ---- quantization ---------------------------------------------------------------------------------------------
 
 def test_unknown_quantization_method_is_a_value_error(tiny_gemma3):
-    with pytest.raises(ValueError, match="quantization must be None, 'none', 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'none', 'int8', 'int4' or 'gguf'"):
         EngineArgs(model=tiny_gemma3, quantization="int3").create_engine_config()
 
 
-def test_quantization_is_cpu_only():
-    check_quantization("int4", torch.device("cpu"))
+@pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
+def test_quantization_is_cpu_only(method):
+    check_quantization(method, torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU only"):
-        check_quantization("int8", torch.device("cuda"))
+        check_quantization(method, torch.device("cuda"))
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_gemma3):
+    """"gguf" runs a GGUF file's own blocks, and what a quantized GGUF runs as on CPU by default;
+    a checkpoint that is no GGUF conversion has none to run."""
+    assert "gguf" in QUANTIZATION_METHODS and GGUF_CPU_QUANTIZATION == "gguf"
+    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own blocks; .* is not a GGUF file"):
+        resolve_quantization("gguf", tiny_gemma3, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        EngineArgs(model=tiny_gemma3, quantization="gguf").create_engine_config()
 
 
 def test_a_float_checkpoint_is_not_quantized_by_default(tiny_gemma3):

@@ -135,6 +135,20 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def row_order(gguf_name: str, arch: str, config: Any, rows: int) -> np.ndarray | None:
+    """The file rows, in the order that gives the HF rows, for the fix-ups that only reorder
+    rows (llama's q/k interleave): applied to whole rows of quantized blocks. None: as stored."""
+    if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        heads = config.num_key_value_heads if ".attn_k." in gguf_name else config.num_attention_heads
+        return _unpermute_rows(np.arange(rows), heads)
+    return None
+
+
+def transposed_in_file(gguf_name: str, arch: str) -> bool:
+    """Whether the HF weight is the transpose of the file's matrix (GPT-2's Conv1D layers)."""
+    return arch == "gpt2" and bool(_GPT2_CONV1D.search(gguf_name))
+
+
 def fix_up(w: np.ndarray, gguf_name: str, arch: str, config: Any) -> np.ndarray:
     """Reverse what llama.cpp's converter did to this tensor (as transformers does)."""
     if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):

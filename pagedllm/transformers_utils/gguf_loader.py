@@ -1,10 +1,9 @@
-"""Turn a GGUF file into a cached Hugging Face-style checkpoint directory.
-
-The rest of the engine only loads HF directories (config.json, tokenizer files,
-model.safetensors). Rather than teach every model class about GGUF names, quantized
-blocks and llama.cpp's weight fix-ups, we convert once: dequantize to float32, rename to
-HF parameter names, undo llama.cpp's transformations, and cache the result keyed by the
-source file's (absolute path, size, mtime).
+"""Give a GGUF file a cached Hugging Face-style directory: config.json, generation_config.json,
+the tokenizer files and gguf_source.json, which names the file. The weights stay in the GGUF:
+`gguf_weights.iterate_gguf_weights` reads them from the memory-mapped file at every start, under
+their HF names with llama.cpp's fix-ups undone, so no float copy of the model is ever written.
+Building the tokenizer from a 262k vocabulary takes seconds, so the directory is cached, keyed by
+the source file's (absolute path, size, mtime).
 """
 
 from __future__ import annotations
@@ -20,29 +19,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pagedllm.cache_files import umask_mode
 from pagedllm.envs import cache_root
-from pagedllm.transformers_utils.forked_call import ForkedCall, fork_available
 from pagedllm.transformers_utils.gguf_archs import (
-    EXPERTS,
     HF_ARCHITECTURES,
-    IGNORED_TENSORS,
     SUPPORTED_GGUF_ARCHS,
     complete_config,
-    fix_up,
-    hf_names,
-    split_experts,
     tidy_floats,
 )
 from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reader, shared_gguf_reader
+from pagedllm.transformers_utils.gguf_weights import FLOAT_TYPES, SOURCE_FILE, check_tensor_types
 
 logger = logging.getLogger(__name__)
 __all__ = ["SUPPORTED_GGUF_ARCHS", "conversion_cached", "convert_gguf", "gguf_is_quantized"]
 
 _DONE = "done"
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _cache_root(cache_dir: str | None) -> Path:
@@ -51,8 +42,9 @@ def _cache_root(cache_dir: str | None) -> Path:
 
 # Bumped when the conversion's output changes, so older cache entries are redone once.
 # 2: gguf_source.json lists the GGUF's tensor types; 3: names from gguf's TensorNameMap, config completions;
-# 4: tokenizer_config.json names the generic TokenizersBackend; 5: it lists the added tokens
-_CONVERSION_VERSION = 5
+# 4: tokenizer_config.json names the generic TokenizersBackend; 5: it lists the added tokens;
+# 6: no weights (read from the GGUF itself)
+_CONVERSION_VERSION = 6
 
 
 def _cache_key(path: str) -> str:
@@ -70,9 +62,9 @@ def conversion_cached(gguf_path: str, cache_dir: str | None = None) -> bool:
 
 
 def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
-    """Return a directory with config.json, generation_config.json, tokenizer files and
-    model.safetensors (float32, HF parameter names) converted from the GGUF file; cached
-    by (absolute path, size, mtime) so the second call is instant."""
+    """Return a directory with config.json, generation_config.json, the tokenizer files and
+    gguf_source.json for the GGUF file; cached by (absolute path, size, mtime) so the second call
+    is instant."""
     src = os.path.abspath(os.fspath(gguf_path))
     key = _cache_key(src)
     root = _cache_root(cache_dir)
@@ -81,7 +73,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
         _remove_superseded(root, src, keep=final)
         logger.info("GGUF %s: reusing its conversion cached in %s", os.path.basename(src), final)
         return str(final)
-    logger.info("GGUF %s: converting to a float32 HF checkpoint (first start only: cached in %s)",
+    logger.info("GGUF %s: writing its config and tokenizer (first start only: cached in %s)",
                 os.path.basename(src), final)
     start = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -106,8 +98,8 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None) -> str:
 
 
 def _remove_superseded(root: Path, src: str, keep: Path) -> None:
-    """Older conversions of the same file (it changed, or the conversion format did): each is
-    as big as the model in float32, and nothing would read them again."""
+    """Older conversions of the same file (it changed, or the conversion format did): nothing
+    would read them again (and older formats held the whole model in float32)."""
     for entry in root.iterdir():
         meta = entry / "gguf_source.json"
         if entry == keep or entry.name.startswith(".") or not meta.is_file():
@@ -122,11 +114,11 @@ def _remove_superseded(root: Path, src: str, keep: Path) -> None:
 def gguf_is_quantized(model_path: str) -> bool:
     """Whether `model_path` is a GGUF conversion whose source stored quantized tensors
     (Q4_K, Q8_0, ...), not only float ones."""
-    meta = Path(model_path) / "gguf_source.json"
+    meta = Path(model_path) / SOURCE_FILE
     if not meta.is_file():
         return False
     types = json.loads(meta.read_text()).get("tensor_types", [])
-    return any(t not in _FLOAT_TYPES for t in types)
+    return any(t not in FLOAT_TYPES for t in types)
 
 
 def _make_readable(directory: Path) -> None:
@@ -140,7 +132,7 @@ def _make_readable(directory: Path) -> None:
 
 
 def _remove_stale_tmp_dirs(root: Path, key: str) -> None:
-    """Delete temp dirs of this key left by dead processes (a killed conversion is ~1 GB)."""
+    """Delete temp dirs of this key left by dead processes."""
     for tmp in root.glob(f".tmp-{key}-*"):
         try:
             os.kill(int(tmp.name.split("-")[2]), 0)
@@ -167,32 +159,22 @@ def _convert_into(src: str, out: Path) -> None:
         )
     if int(_field(reader, "split.count", 1)) > 1:  # the reader would silently see one shard
         raise ValueError(f"{src} is one shard of a split GGUF; merge it with gguf-split first")
+    check_tensor_types(reader, src)
     # Transformers' helpers resolve `dir/file`; link the file into `out` so they never pick up
     # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
     link = out / "_source.gguf"
     os.symlink(src, link)
-    tokenizer_files = None
     try:
         with shared_gguf_reader(reader, src):  # transformers' helpers reopen it by path
             config = _build_config(str(link), reader, arch)
             config.save_pretrained(out)
-            if fork_available():  # the tokenizer on the other core while the weights are written here
-                tokenizer_files = ForkedCall(lambda: _write_tokenizer_files(out, link.name, config),
-                                             "GGUF tokenizer conversion")
-            else:
-                _write_tokenizer_files(out, link.name, config)
-        _write_weights(reader, arch, config, out / "model.safetensors")
-        if tokenizer_files is not None:
-            tokenizer_files.join()
-            tokenizer_files = None
+            _write_tokenizer_files(out, link.name, config)
     finally:
-        if tokenizer_files is not None:  # the weights failed: stop it writing into a directory that goes
-            tokenizer_files.kill()
         link.unlink(missing_ok=True)
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     types = sorted({t.tensor_type.name for t in reader.tensors})
     meta = {"source": src, "architecture": arch, "add_bos_token": add_bos, "tensor_types": types}
-    (out / "gguf_source.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _build_config(link: str, reader: Any, arch: str) -> Any:
@@ -284,27 +266,3 @@ def _build_generation_config(config: Any, tokenizer: Any) -> Any:
         eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
         pad_token_id=config.pad_token_id,
     )
-
-
-def _write_weights(reader: Any, arch: str, config: Any, path: Path) -> None:
-    import gguf
-    import torch
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
-    names = hf_names(arch, config)
-    tensors: dict[str, torch.Tensor] = {}
-    bar = tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", dynamic_ncols=True,
-               disable=not logger.isEnabledFor(logging.INFO))
-    for t in bar:
-        if t.name in IGNORED_TENSORS:
-            continue
-        hf = names.get(t.name)
-        if hf is None:
-            raise ValueError(f"Don't know the HF name of GGUF tensor {t.name!r} ({arch})")
-        w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
-        w = fix_up(w, t.name, arch, config)
-        parts = split_experts(w, t.name, hf) if EXPERTS.match(t.name) else {hf: w}
-        for name, part in parts.items():
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(part, dtype=np.float32))
-    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -8,6 +8,7 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -42,9 +43,21 @@ def pt_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str, load_format: str = "auto") -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
-    """The checkpoint's tensors by load format: safetensors (auto: when there are any), else
-    PyTorch .bin / .pt files, loaded with weights_only (no code runs) and memory-mapped."""
+def iterate_weights(model_dir: str, load_format: str = "auto", config: Any = None,
+                    gguf_native: bool = False) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
+    """The checkpoint's tensors by load format: a GGUF file's directory reads the file itself
+    (`gguf_weights`; `gguf_native`: quantized tensors offered as their blocks; `config` names
+    them); otherwise safetensors (auto: when there are any), else PyTorch .bin / .pt files,
+    loaded with weights_only (no code runs) and memory-mapped."""
+    if os.path.isfile(os.path.join(model_dir, "gguf_source.json")):
+        from pagedllm.transformers_utils.gguf_weights import iterate_gguf_weights
+
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_dir)
+        yield from iterate_gguf_weights(model_dir, config, gguf_native)
+        return
     use_pt = load_format == "pt" or (load_format == "auto" and not safetensors_present(model_dir))
     if not use_pt:
         yield from iterate_checkpoint(model_dir)
@@ -60,9 +73,10 @@ def safetensors_present(model_dir: str) -> bool:
 
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One whole tensor at a time, in private memory (see `iterate_checkpoint`)."""
-    for name, tensor in iterate_checkpoint(model_dir):
-        yield name, tensor.load()
+    """One whole tensor at a time, in private memory (see `iterate_checkpoint`); a GGUF file's
+    directory gives its tensors dequantized."""
+    for name, tensor in iterate_weights(model_dir):
+        yield name, tensor.load() if isinstance(tensor, CheckpointTensor) else tensor
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -1,4 +1,4 @@
-"""LoRA on the default model's quantized (int4) linears: a zero adapter leaves every token as
+"""LoRA on the default model's quantized linears (its GGUF blocks, and int4 copies): a zero adapter leaves every token as
 the base model's, random adapters change them, and in a batch that mixes four adapters with the
 base model each request gets the tokens it gets in a batch of the same size with no other
 adapter (same size: the same GEMM paths). Slow: the real default model."""
@@ -18,11 +18,12 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def test_lora_on_the_int4_default_model(tmp_path):
-    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, quantization="int4", enable_lora=True, max_loras=4,
+@pytest.mark.parametrize("quantization", ["gguf", "int4"])
+def test_lora_on_the_quantized_default_model(tmp_path, quantization):
+    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, quantization=quantization, enable_lora=True, max_loras=4,
               max_cpu_loras=5)
     text_config = llm.llm_engine.config.model_config.text_config
-    assert llm.llm_engine.config.model_config.quantization == "int4"
+    assert llm.llm_engine.config.model_config.quantization == quantization
     zero = LoRARequest("zero", 1, write_random_adapter(str(tmp_path / "zero"), text_config, 16, 0, scale=0.0))
     loras = [LoRARequest(f"a{i}", i + 2, write_random_adapter(str(tmp_path / f"a{i}"), text_config, 16, i,
                                                               scale=0.05)) for i in range(4)]

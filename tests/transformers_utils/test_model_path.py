@@ -122,5 +122,10 @@ def test_what_resolves_on_disk(hub, tmp_path, tiny_llama, monkeypatch):
     src = tmp_path / "tiny.gguf"
     _write_tiny_gguf(src, "llama")
     assert not resolves_on_disk(str(src))  # not converted yet
-    resolve_model_path(str(src))
+    out = resolve_model_path(str(src))
     assert resolves_on_disk(str(src))
+    # The conversion is the config and tokenizer; the weights are read from the GGUF at every start.
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    assert not [f for f in os.listdir(out) if f.endswith((".safetensors", ".bin", ".pt"))]
+    src.unlink()
+    assert not resolves_on_disk(str(src))  # nothing to read the weights from

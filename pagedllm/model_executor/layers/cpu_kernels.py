@@ -55,6 +55,8 @@ _SIGNATURES = {
     "pl_act_and_mul": [_P, _I, _L, _L, _I, _P, _I],
     "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
     "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
+    "pl_gguf_linear": [_I, _P, _L, _L, _L, _P, _I, _L, _P, _P, _I, _L, _I],
+    "pl_gguf_dequantize": [_I, _P, _L, _L, _P, _L, _P, _I, _L, _I],
 }
 _X86_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _X86_AVX512 = [*_X86_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]

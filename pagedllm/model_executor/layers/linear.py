@@ -27,9 +27,16 @@ from torch import nn
 from pagedllm.distributed import get_tp_group
 from pagedllm.forward_context import get_lora_mask
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
+from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
 from pagedllm.model_executor.layers.lora import LinearLoRA
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
 from pagedllm.transformers_utils.weight_utils import CheckpointTensor
+
+
+def native_gguf(loaded: torch.Tensor | CheckpointTensor) -> bool:
+    """Whether a checkpoint tensor is a GGUF file's blocks the layer should keep as they are
+    (`--quantization gguf`) rather than copy into its float weight."""
+    return getattr(loaded, "native", False)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
@@ -71,19 +78,34 @@ class Linear(nn.Module):
         self.quant: WeightOnlyQuant | None = None  # set by loader/quantize.py; runs few rows
         self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py; replaces the weight
         self.lora: LinearLoRA | None = None  # set by lora/manager.py: adapter slots added to the output
+        self.gguf: GGUFLinear | None = None  # the file's own blocks (--quantization gguf); replaces the weight
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = self._load_whole
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features))
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def _load_whole(self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
+        if native_gguf(loaded):
+            self._add_gguf(loaded, 0)
+        else:
+            default_weight_loader(param, loaded)
+
+    def _add_gguf(self, loaded, offset: int, columns: tuple[int, int] | None = None) -> None:
+        """Keep a GGUF tensor's rows of blocks as output rows from `offset` of this weight."""
+        if self.gguf is None:
+            self.gguf = GGUFLinear(self.in_features, self.out_features, self.weight.dtype)
+        self.gguf.add(offset, loaded, columns)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
+        if self.gguf is not None:
+            out = self.gguf(x, bias)
+        elif self.quant is not None and x.numel() <= self.quant.max_rows * self.in_features:
             out = self.quant(x, bias)
         elif self.packed is not None:
             out = packed_linear(x, self.packed, bias)
@@ -110,6 +132,9 @@ class ColumnParallelLinear(Linear):
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
+        if native_gguf(loaded) and param is self.weight:
+            self._add_gguf(loaded.rows(self.tp_rank * size, size), 0)
+            return
         load_slice(param.data, loaded, 0, self.tp_rank * size, size * self.tp_size, "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +164,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
         offset, size, start, full = self.shard_offsets[shard_id]
+        if native_gguf(loaded) and param is self.weight:
+            if loaded.shape[0] != full:
+                raise ValueError(f"shard {shard_id!r}: expected {full} rows, got {tuple(loaded.shape)}")
+            self._add_gguf(loaded.rows(start, size), offset)
+            return
         load_slice(param.data.narrow(0, offset, size), loaded, 0, start, full, f"shard {shard_id!r}")
 
 
@@ -225,6 +255,12 @@ class RowParallelLinear(Linear):
 
     def _load_columns(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[1]
+        if native_gguf(loaded):
+            if loaded.shape[1] != size * self.tp_size:
+                raise ValueError(f"row-parallel weight: expected {size * self.tp_size} inputs, "
+                                 f"got {tuple(loaded.shape)}")
+            self._add_gguf(loaded, 0, (self.tp_rank * size, size) if self.tp_size > 1 else None)
+            return
         load_slice(param.data, loaded, 1, self.tp_rank * size, size * self.tp_size, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from torch import nn
 
 from pagedllm.distributed import get_tp_group
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
+from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
+from pagedllm.model_executor.layers.linear import native_gguf
 from pagedllm.model_executor.layers.quantization import QuantizedLMHead
 from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
@@ -36,8 +38,13 @@ class _VocabShard:
         if tuple(loaded.shape) != expected:
             raise ValueError(f"shape mismatch: vocabulary table {expected} vs checkpoint {tuple(loaded.shape)}")
         valid = max(0, self.vocab_end - self.vocab_start)
-        if (isinstance(loaded, CheckpointTensor) and valid == param.shape[0] and loaded.dtype == param.dtype
-                and param.device.type == "cpu" and param.numel() > 0):
+        if native_gguf(loaded):  # the file's blocks, looked up / multiplied as they are
+            self.gguf = GGUFLinear(param.shape[1], param.shape[0], param.dtype)
+            if valid:
+                self.gguf.add(0, loaded.rows(self.vocab_start, valid))
+            return
+        if (isinstance(loaded, CheckpointTensor) and loaded.mappable and valid == param.shape[0]
+                and loaded.dtype == param.dtype and param.device.type == "cpu" and param.numel() > 0):
             # Mapped, not read, where the file allows it: a lookup touches a few rows a step (the
             # float32 embedding of a 262k vocabulary is 671 MB, read in ~0.4 s), and processes
             # mapping it share it.
@@ -56,15 +63,20 @@ class VocabParallelEmbedding(nn.Module, _VocabShard):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self._init_shard(vocab_size)
+        self.gguf: GGUFLinear | None = None  # the file's own blocks (--quantization gguf); replaces the weight
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
         self.weight.weight_loader = self._load_vocab_rows
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of this rank's table."""
+        return self.gguf.lookup(ids) if self.gguf is not None else F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight).masked_fill_(~mine.unsqueeze(-1), 0)
+        out = self.lookup(local).masked_fill_(~mine.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
 
@@ -78,15 +90,18 @@ class ParallelLMHead(nn.Module, _VocabShard):
         self.tied_to = tied_to
         self.quant: QuantizedLMHead | None = None  # set by loader/quantize.py
         self.packed: torch.Tensor | None = None  # set by loader/cpu_pack.py
+        self.gguf: GGUFLinear | None = None  # the file's own blocks (--quantization gguf), or the tied embedding's
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
             self.weight.weight_loader = self._load_vocab_rows
 
     def forward(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        weight = None if self.gguf is not None else self.tied_to.weight if self.tied_to is not None else self.weight
         # Left in the model dtype: greedy argmax needs no float32 copy of [B, vocab]
         # (bf16 → fp32 is exact, so the sampler converts only when it must).
-        if self.quant is not None:
+        if self.gguf is not None:
+            logits = self.gguf(hidden)
+        elif self.quant is not None:
             logits = self.quant(hidden, weight)
         elif self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)

@@ -25,6 +25,8 @@ def pack_model(model: nn.Module) -> None:
     """
     nbytes = 0
     for module in model.modules():
+        if getattr(module, "gguf", None) is not None:  # runs the file's blocks
+            continue
         if isinstance(module, Linear) and can_pack(module.weight):
             module.packed = pack_weight(module.weight)
             nbytes += module.weight.numel() * module.weight.element_size()

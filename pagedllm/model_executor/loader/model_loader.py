@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
+from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
 from pagedllm.transformers_utils.weight_utils import iterate_weights
@@ -39,13 +40,17 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedllm.model_executor.loader.quantize import restore_quantized
 
         restored = restore_quantized(model, model_config.quantization, cache)
+    native = model_config.quantization == "gguf"
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(iterate_weights(model_config.model_path, model_config.load_format))
+        model.load_weights(iterate_weights(model_config.model_path, model_config.load_format,
+                                           model_config.hf_config, gguf_native=native))
     for param in model.parameters():
         param.__dict__.pop("preloaded", None)
-    if model_config.quantization and not restored:
+    if native:
+        _finish_gguf(model)
+    elif model_config.quantization and not restored:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
         quantize_model(model, model_config.quantization, cache)
@@ -57,9 +62,26 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def _finish_gguf(model: nn.Module) -> None:
+    """After loading the file's blocks: a tied LM head multiplies by the embedding's blocks, and
+    the float weights the layers were built with (never written, so never paged in) go."""
+    for name, module in model.named_modules():
+        if isinstance(module, LMHead) and module.gguf is None and module.tied_to is not None:
+            module.gguf = module.tied_to.gguf
+        gguf = getattr(module, "gguf", None)
+        if gguf is None:
+            continue
+        gaps = gguf.uncovered()
+        if gaps and not isinstance(module, (VocabEmbedding, LMHead)):  # a vocabulary's padding rows may stay empty
+            raise ValueError(f"{name}: the GGUF file leaves output rows {gaps} of its weight unloaded")
+        weight = getattr(module, "weight", None)
+        if weight is not None:
+            weight.data = weight.data.new_empty((0, weight.shape[-1]))
+
+
 def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | None:
     """Where this rank's quantized weights are cached; None without quantization or weights."""
-    if not model_config.quantization or model_config.load_format == "dummy":
+    if model_config.quantization not in ("int8", "int4") or model_config.load_format == "dummy":
         return None
     from pagedllm.distributed import get_tp_group
     from pagedllm.model_executor.loader import quant_cache

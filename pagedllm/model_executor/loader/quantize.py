@@ -125,7 +125,8 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
 
 
 def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Linear, LMHead))]
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (Linear, LMHead)) and getattr(m, "gguf", None) is None]
 
 
 def _describe(quant: WeightOnlyQuant, tensors: dict[str, torch.Tensor], name: str) -> dict:

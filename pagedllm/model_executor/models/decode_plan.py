@@ -23,10 +23,9 @@ from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedllm.forward_context import AttentionMetadata
-from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers import cpu_kernels, gguf_ops
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.model_executor.layers.attention import chunk_runs_as_decodes
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -49,7 +48,7 @@ class PlanBuffers:
     def __init__(self, model: torch.nn.Module, rows: int, dtype: torch.dtype) -> None:
         attn_mod, mlp = model.layers[0].self_attn, model.layers[0].mlp
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
-        hidden_size = model.embed_tokens.weight.shape[1]
+        hidden_size = model.embed_tokens.weight.shape[-1]
         block_size = attn_mod.attn.kv_cache.shape[2]
         max_blocks = math.ceil(attn_mod.rotary_emb.cos_cache.shape[0] / block_size) + 1
         zeros = partial(torch.zeros, dtype=dtype)
@@ -104,12 +103,21 @@ class DecodePlan:
                                                     self.nthreads))
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
-        quant = linear.quant
-        if quant is None or quant.layout != "pagedllm" or quant.max_rows < self.rows or linear.lora is not None:
-            raise Unsupported(f"{type(linear).__name__} without pagedllm's weight-only kernels for {self.rows} rows")
-        if getattr(linear, "tp_size", 1) != 1:
-            raise Unsupported("tensor parallel")
+        if getattr(linear, "tp_size", 1) != 1 or linear.lora is not None:
+            raise Unsupported("tensor parallel or LoRA")
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).contiguous()
+        if linear.gguf is not None:  # one call per segment, each into its columns of `out`
+            for seg in linear.gguf.segments:
+                if not seg.quantized:
+                    raise Unsupported("a float GGUF segment")
+                cols = slice(seg.offset, seg.offset + seg.rows)
+                self.calls.append(gguf_ops.bind_gguf_linear(
+                    x, seg.qtype, seg.weight, linear.in_features, None if bias is None else bias[cols].contiguous(),
+                    out[:, cols], self.nthreads))
+            return
+        quant = linear.quant
+        if quant is None or quant.layout != "pagedllm" or quant.max_rows < self.rows:
+            raise Unsupported(f"{type(linear).__name__} without pagedllm's weight-only kernels for {self.rows} rows")
         qweight, scales = self._dense(quant.qweight), self._dense(quant.scales)
         if quant.method == "int8":
             call = cpu_kernels.bind_w8a16_linear(x, qweight, scales, bias, out, self.nthreads)
@@ -164,7 +172,7 @@ class DecodePlan:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens: decodes, and the
         rows of short chunks, each as a decode of the keys up to its own position."""
-        torch.mul(F.embedding(input_ids, self.embed.weight), self.embed_scale, out=self.hidden)
+        torch.mul(self.embed.lookup(input_ids), self.embed_scale, out=self.hidden)
         self.positions.copy_(positions.view(-1))
         self.slot.copy_(md.slot_mapping.view(-1))
         lens, table = self._seq_len_np, self._table_np

@@ -133,10 +133,28 @@ def _tensors(arch: str, cfg: dict, state: dict[str, np.ndarray], fuse_gate_up: b
     return out
 
 
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, bytes per row] of random blocks of `qtype` whose float16 scales are small and
+    finite (weights of order 0.1): what llama-quantize writes, for the types gguf-py cannot
+    quantize (the K-quants)."""
+    from pagedllm.model_executor.layers.gguf_ops import SCALE_FIELDS
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    reach = {gguf.GGMLQuantizationType.Q6_K: 4064, gguf.GGMLQuantizationType.Q5_K: 1953}.get(qtype, 945)
+    for field in SCALE_FIELDS[int(qtype)]:
+        scale = rng.uniform(0.5, 1.0, (rows, cols // block)) * 0.1 / reach
+        raw[:, :, field : field + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def write_gguf(model_dir: str | Path, path: str | Path, chat_template: str | None = None,
-               q8: tuple[str, ...] = ("token_embd.weight",), fuse_gate_up: bool = False) -> dict[str, str]:
+               q8: tuple[str, ...] = ("token_embd.weight",), fuse_gate_up: bool = False,
+               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> dict[str, str]:
     """Write `model_dir` (config.json, model.safetensors, tokenizer.json) as the GGUF `path`;
-    returns each GGUF tensor's type name."""
+    returns each GGUF tensor's type name. `types`: GGUF tensor name -> type for matrices stored
+    otherwise (gguf-py quantizes the legacy types; K-quants get `random_blocks`)."""
     from safetensors.numpy import load_file
 
     model_dir = Path(model_dir)
@@ -146,17 +164,26 @@ def write_gguf(model_dir: str | Path, path: str | Path, chat_template: str | Non
     w.add_name(f"tiny-{arch}")
     _metadata(w, arch, cfg)
     _tokenizer(w, model_dir, chat_template)
-    types = {}
+    types_out: dict[str, str] = {}
     for name, data in _tensors(arch, cfg, load_file(str(model_dir / "model.safetensors")), fuse_gate_up).items():
         data = data.astype(np.float32)
+        if types and name in types:
+            qtype = types[name]
+            try:
+                packed = gguf.quantize(data, qtype)
+            except NotImplementedError:
+                packed = random_blocks(qtype, *data.shape, seed=len(types_out))
+            w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            types_out[name] = qtype.name
+            continue
         if name in q8:
             packed = gguf.quantize(data, Q8)
             w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=Q8)
         else:
             w.add_tensor(name, data.astype(np.float16) if data.ndim >= 2 else data)
-        types[name] = "Q8_0" if name in q8 else ("F16" if data.ndim >= 2 else "F32")
+        types_out[name] = "Q8_0" if name in q8 else ("F16" if data.ndim >= 2 else "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return types
+    return types_out

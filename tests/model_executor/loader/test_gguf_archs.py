@@ -1,7 +1,8 @@
 """Each llama.cpp architecture the GGUF converter handles, end to end: a tiny random transformers
-checkpoint is written as GGUF the way llama.cpp would (hf_to_gguf.py), converted back, and
-checked against the source (weights, config), against transformers' own GGUF loading, for its
-tokenizer and chat template, and for greedy generation with pagedllm.
+checkpoint is written as GGUF the way llama.cpp would (hf_to_gguf.py), converted back (config and
+tokenizer; the weights as `iterate_weights` reads them from the GGUF), and checked against the
+source (weights, config), against transformers' own GGUF loading, for its tokenizer and chat
+template, and for greedy generation with pagedllm.
 
 The source weights are drawn so the GGUF holds them exactly (matrices f16-representable, vectors
 on a 1/256 grid so Gemma's stored 1 + w loses nothing, the embedding Q8_0-representable): the
@@ -22,6 +23,11 @@ gguf = pytest.importorskip("gguf")
 from pagedllm.transformers_utils.gguf_loader import convert_gguf  # noqa: E402
 from pagedllm.transformers_utils.tokenizer import get_tokenizer  # noqa: E402
 from tests.model_executor.loader.hf_to_gguf import Q8, write_gguf  # noqa: E402
+from tests.model_executor.loader.test_gguf_loader import (  # noqa: E402
+    CONVERTED_FILES,
+    converted_state_dict,
+    load_converted,
+)
 from tests.utils import assert_greedy_match, build_tokenizer, hf_greedy  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "gpt2", "starcoder2", "qwen3moe"]
@@ -129,7 +135,9 @@ def test_weights_and_config_match_source(case) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    want, got = load_file(str(case.src / "model.safetensors")), load_file(str(case.out / "model.safetensors"))
+    # The weights stay in the GGUF; the chat template is a file of its own.
+    assert {p.name for p in case.out.iterdir()} == CONVERTED_FILES | {"chat_template.jinja"}
+    want, got = load_file(str(case.src / "model.safetensors")), converted_state_dict(case.out)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == torch.float32
@@ -149,7 +157,7 @@ def test_transformers_gguf_loading_agrees(case) -> None:
     """transformers' own GGUF loader, given the fields its config mapping misses, builds the same model."""
     from transformers import AutoModelForCausalLM
 
-    ours = AutoModelForCausalLM.from_pretrained(case.out, dtype=torch.float32).eval()
+    ours = load_converted(case.out)
     gaps = dict(TRANSFORMERS_GAPS.get(case.arch, {}))
     if case.arch == "phi3_longrope":  # nor does it read longrope's factors and original length back
         src = json.loads((case.src / "config.json").read_text())
@@ -217,7 +225,7 @@ def test_quantized_tensor_survives(tmp_path: Path) -> None:
         path = tmp_path / f"{arch}.gguf"
         assert write_gguf(src, path, q8=(gguf_name,))[gguf_name] == "Q8_0"
         out = convert_gguf(str(path), cache_dir=str(tmp_path / "cache"))
-        want, got = load_file(str(src / "model.safetensors"))[hf_name], load_file(f"{out}/model.safetensors")[hf_name]
+        want, got = load_file(str(src / "model.safetensors"))[hf_name], converted_state_dict(out)[hf_name]
         err = (got - want).abs().max().item()
         assert 0 < err <= want.abs().max().item() / 127, (arch, err)
 
@@ -230,7 +238,7 @@ def test_fused_gate_up_experts(tmp_path: Path) -> None:
     types = write_gguf(tmp_path / "hf", tmp_path / "fused.gguf", fuse_gate_up=True)
     assert "blk.0.ffn_gate_up_exps.weight" in types and "blk.0.ffn_gate_exps.weight" not in types
     out = convert_gguf(str(tmp_path / "fused.gguf"), cache_dir=str(tmp_path / "cache"))
-    want, got = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(f"{out}/model.safetensors")
+    want, got = load_file(str(tmp_path / "hf" / "model.safetensors")), converted_state_dict(out)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)

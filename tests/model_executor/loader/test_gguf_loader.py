@@ -1,9 +1,11 @@
-"""Tests for the GGUF -> HF checkpoint directory converter."""
+"""Tests for the GGUF -> HF-style directory converter (config, tokenizer, gguf_source.json; the
+weights are read from the GGUF itself by `iterate_weights`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from pagedllm.transformers_utils.gguf_loader import (  # noqa: E402
     convert_gguf,
     gguf_is_quantized,
 )
+from pagedllm.transformers_utils.weight_utils import iterate_weights  # noqa: E402
 from tests.utils import all_slow  # noqa: E402
 
 H, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
@@ -41,8 +44,62 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
-    """Write a random tiny model; return the HF state dict the converter should produce."""
+# What a converted directory holds: no weights (they stay in the GGUF).
+CONVERTED_FILES = {"config.json", "generation_config.json", "gguf_source.json", "tokenizer.json",
+                   "tokenizer_config.json", "done"}
+
+
+def converted_state_dict(out: str | Path) -> dict[str, torch.Tensor]:
+    """A converted directory's weights under their HF names, as `iterate_weights` reads them from
+    the GGUF (dequantized, llama.cpp's fix-ups undone)."""
+    return {name: t.load() if hasattr(t, "load") else t for name, t in iterate_weights(str(out))}
+
+
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _stack_experts(state: dict[str, torch.Tensor], model_keys) -> None:
+    """transformers 5 holds a MoE layer's experts stacked ([E, 2I, H] gate_up_proj, gate rows
+    first; [E, H, I] down_proj), while checkpoints (and `iterate_weights`) give them one by one:
+    stack them as `from_pretrained`'s conversion does, in place."""
+    for key in model_keys:
+        m = _STACKED_EXPERTS.match(key)
+        if m is None or key in state:
+            continue
+        prefix, first = m["prefix"], "gate" if m["proj"] == "gate_up_proj" else "down"
+        count = 0
+        while f"{prefix}.{count}.{first}_proj.weight" in state:
+            count += 1
+        parts = ("gate", "up") if first == "gate" else ("down",)
+        state[key] = torch.stack([torch.cat([state.pop(f"{prefix}.{e}.{p}_proj.weight") for p in parts])
+                                  for e in range(count)])
+
+
+def load_converted(out: str | Path) -> torch.nn.Module:
+    """The transformers model of a converted directory: built from its config.json, with the
+    weights `iterate_weights` reads from the GGUF; every parameter loaded (a tied LM head through
+    the embedding), nothing left over."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(out)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = converted_state_dict(out)
+    _stack_experts(state, model.state_dict())
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    tied = config.get_text_config().tie_word_embeddings
+    assert (head is embed) == tied
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert set(result.missing_keys) == ({n for n, p in params.items() if p is head} - set(state) if tied else set())
+    return model.eval()
+
+
+def _write_tiny_gguf(path: Path, arch: str, source: dict[str, np.ndarray] | None = None,
+                     qtype: gguf.GGMLQuantizationType = Q8) -> dict[str, np.ndarray]:
+    """Write a random tiny model; return the HF state dict the converter should produce (the
+    quantized tensors, of type `qtype`, as it rounds them). `source`, when given, receives the HF weights
+    before quantization."""
     rng = np.random.default_rng(0)
     tokens, merges = _byte_vocab()
     vocab = len(tokens)
@@ -74,12 +131,14 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
         gguf_name: str, hf_name: str, shape: tuple[int, ...], quant: bool = False, permute_heads: int = 0
     ) -> None:
         hf = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if source is not None:
+            source[hf_name] = hf
         stored = _llama_cpp_permute(hf, permute_heads) if permute_heads else hf
         if quant:
-            packed = gguf.quantize(stored, Q8)
-            w.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=Q8)
-            # Q8_0 blocks live within a row, so row permutation commutes with the round trip.
-            hf = gguf.dequantize(gguf.quantize(hf, Q8), Q8)
+            packed = gguf.quantize(stored, qtype)
+            w.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            # Blocks live within a row, so row permutation commutes with the round trip.
+            hf = gguf.dequantize(gguf.quantize(hf, qtype), qtype)
         else:
             w.add_tensor(gguf_name, stored)
         expected[hf_name] = hf
@@ -136,6 +195,7 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     assert conversion_cached(str(src), cache_dir=str(cache))
     assert Path(out).parent == cache / "gguf"
     assert [p.name for p in (cache / "gguf").iterdir()] == [Path(out).name]  # no temp left over
+    assert {p.name for p in Path(out).iterdir()} == CONVERTED_FILES  # no weights: they stay in the GGUF
 
     config = json.loads((Path(out) / "config.json").read_text())
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
@@ -159,15 +219,18 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
     assert resolve_quantization(None, out, torch.device("cuda"), bf16) is None
     assert resolve_quantization("none", out, cpu, bf16) is None
     assert resolve_quantization("int8", out, cpu, torch.float32) == "int8"
+    assert resolve_quantization("gguf", out, cpu, torch.float32) == "gguf"  # the file's own blocks, when asked
 
-    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model = load_converted(out)  # every parameter from the GGUF, none left over
     state = model.state_dict()
+    assert sorted(converted_state_dict(out)) == sorted(expected)
     for name, want in expected.items():
         torch.testing.assert_close(state[name], torch.from_numpy(want), rtol=0, atol=0, msg=name)
+    assert model.config.tie_word_embeddings == (arch == "qwen3")
     if arch == "qwen3":
-        assert model.config.tie_word_embeddings
-        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        torch.testing.assert_close(state["lm_head.weight"], torch.from_numpy(expected["model.embed_tokens.weight"]),
+                                   rtol=0, atol=0)
 
     # The tokenizer matches what transformers builds from the GGUF, and honours add_bos_token.
     # With transformers 5 it loads as the generic class, straight from tokenizer.json: Python
@@ -203,9 +266,9 @@ def test_tiny_gguf_roundtrip(tmp_path: Path, arch: str) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="the umask is read from /proc")
 def test_conversion_modes_follow_the_umask(tmp_path: Path) -> None:
-    """mkdtemp and safetensors make owner-only entries; the finished conversion gets what the
-    umask gives a plain mkdir / open, like the other caches (readable to a shared cache's users
-    as far as the umask allows, never beyond it)."""
+    """mkdtemp makes an owner-only directory; the finished conversion (and each file in it) gets
+    what the umask gives a plain mkdir / open, like the other caches (readable to a shared cache's
+    users as far as the umask allows, never beyond it)."""
     src = tmp_path / "tiny.gguf"
     _write_tiny_gguf(src, "llama")
     old = os.umask(0o027)
@@ -215,7 +278,7 @@ def test_conversion_modes_follow_the_umask(tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
+    assert set(modes) == CONVERTED_FILES and set(modes.values()) == {0o640}, modes
 
 
 class _Parsed:
@@ -258,33 +321,36 @@ def test_rejects_non_gguf_and_unsupported_arch(tmp_path: Path) -> None:
     assert not any((tmp_path / "cache" / "gguf").iterdir())
 
 
-@pytest.mark.parametrize("forked, part, error", [
-    (True, "_build_tokenizer", ValueError),  # in the forked child: the same error, its traceback in a note
-    (False, "_build_tokenizer", ValueError),
-    (True, "fix_up", ValueError),  # the weights, here, while the child builds the tokenizer
-])
-def test_a_failed_conversion_is_its_error_and_leaves_nothing(tmp_path: Path, monkeypatch, forked, part, error) -> None:
-    """The tokenizer is built in a forked child beside the weights' conversion (Linux), or in
-    line: a failure in either reaches the caller, and no partial cache entry stays."""
+@pytest.mark.parametrize("part", ["_build_tokenizer", "_build_config"])
+def test_a_failed_conversion_is_its_error_and_leaves_nothing(tmp_path: Path, monkeypatch, part) -> None:
+    """A failure while the config or the tokenizer is built reaches the caller as it was raised,
+    and no partial cache entry (nor temp directory) stays: the next try converts afresh."""
     from pagedllm.transformers_utils import gguf_loader
 
     src = tmp_path / "tiny.gguf"
     _write_tiny_gguf(src, "qwen3")
+    cache = tmp_path / "cache"
+
+    class Broken(Exception):
+        pass
 
     def broken(*args, **kwargs):
-        raise ValueError("this part cannot be converted")
+        raise Broken("this part cannot be converted")
 
-    monkeypatch.setattr(gguf_loader, part, broken)
-    monkeypatch.setattr(gguf_loader, "fork_available", lambda: forked)
-    with pytest.raises(error, match="this part cannot be converted"):
-        convert_gguf(str(src), cache_dir=str(tmp_path / "cache"))
-    assert not any((tmp_path / "cache" / "gguf").iterdir())
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf_loader, part, broken)
+        with pytest.raises(Broken, match="this part cannot be converted"):
+            convert_gguf(str(src), cache_dir=str(cache))
+    assert not any((cache / "gguf").iterdir())
+    assert not conversion_cached(str(src), cache_dir=str(cache))
+    out = convert_gguf(str(src), cache_dir=str(cache))
+    assert {p.name for p in Path(out).iterdir()} == CONVERTED_FILES
 
 
 @pytest.mark.slow
 @all_slow
 def test_default_model_matches_transformers_gguf_loading() -> None:
-    """Uses the default cache on purpose: repeated runs reuse the ~1 GB conversion."""
+    """Uses the default cache on purpose: repeated runs reuse the conversion (its tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedllm.transformers_utils.default_model import resolve_default_model
@@ -302,7 +368,7 @@ def test_default_model_matches_transformers_gguf_loading() -> None:
             seq = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
         return seq[0, ids.shape[1] :].tolist()
 
-    ours = greedy(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
+    ours = greedy(load_converted(out))
     theirs = greedy(
         AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32

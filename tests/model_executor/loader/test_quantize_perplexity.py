@@ -1,6 +1,6 @@
 """Perplexity of the default model (Gemma 3 270M, Q4_K_M GGUF) on a fixed English text, bf16
-against --quantization int8 / int4: each must stay within 2% of bf16. Slow: loads the real model
-four times (~40 s on two cores)."""
+against --quantization int8 / int4 / gguf: each must stay within 2% of bf16. Slow: loads the real model
+five times (~50 s on two cores)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def _perplexity(quantization: str, few_rows_kernels: bool = True) -> float:
 def test_quantized_perplexity_within_two_percent_of_bf16():
     base = _perplexity("none")
     assert 10 < base < 40  # a sane model on plain English
-    # int4 twice: its few-rows kernels (batch-1 decode), then the many-rows path (big batches).
-    for method, few_rows in (("int8", True), ("int4", True), ("int4", False)):
+    # int4 twice: its few-rows kernels (batch-1 decode), then the many-rows path (big batches);
+    # gguf: the file's own blocks, the default.
+    for method, few_rows in (("int8", True), ("int4", True), ("int4", False), ("gguf", False)):
         ppl = _perplexity(method, few_rows)
         print(f"perplexity bf16 {base:.3f}, {method} (few-rows kernels: {few_rows}) {ppl:.3f} ({ppl / base - 1:+.2%})")
         assert abs(ppl / base - 1) < 0.02, f"{method}: perplexity {ppl:.3f} vs bf16 {base:.3f}"

@@ -1,0 +1,108 @@
+"""A weight kept as a GGUF file's own blocks (`--quantization gguf`): the linears, the embedding
+and the LM head multiply by the memory-mapped rows of the file (`gguf_ops`, pagedllm/csrc/gguf.c)
+and never hold a float copy, so a model takes the memory its file takes.
+
+One layer's weight may come from several file tensors of different types (q/k/v, or gate/up,
+stacked along the outputs; a Q4_K_M file keeps some of them in Q6_K): each is a segment of the
+output rows, multiplied by its own kernel call straight into its columns of the output. Float
+tensors of the file (F32/F16/BF16) are segments too, held in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_executor.layers import gguf_ops
+
+
+@dataclass(slots=True)
+class GGUFSegment:
+    """Output rows [offset, offset + rows) of a weight: `weight` is uint8 [rows, bytes per row]
+    of blocks of ggml type `qtype` (rows may be strided: a column slice), or for a float type a
+    float tensor [rows, in_features]."""
+
+    offset: int
+    qtype: int
+    weight: torch.Tensor
+    quantized: bool
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0]
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b) for a [out_features, in_features] weight made of GGUF segments."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.segments: list[GGUFSegment] = []
+
+    def add(self, offset: int, tensor, columns: tuple[int, int] | None = None) -> None:
+        """Rows of a `GGUFTensor` (all of its rows) as output rows [offset, offset + its rows);
+        `columns` (start, length): only those inputs, at block boundaries (a row-parallel rank)."""
+        start, length = columns or (0, tensor.shape[1])
+        if length != self.in_features or not 0 <= offset <= offset + tensor.shape[0] <= self.out_features:
+            raise ValueError(f"{tensor.name}: rows {tuple(tensor.shape)} at {offset} do not fit a "
+                             f"[{self.out_features}, {self.in_features}] weight")
+        if tensor.quantized:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.qtype)]
+            if start % block or length % block:
+                raise ValueError(f"{tensor.name}: inputs [{start}, {start + length}) split its {block}-value blocks")
+            weight = tensor.block_rows()
+            if columns is not None:
+                weight = weight[:, start // block * block_bytes : (start + length) // block * block_bytes]
+        else:
+            weight = tensor.load().narrow(1, start, length).to(self.dtype).contiguous()
+        self.segments.append(GGUFSegment(offset, tensor.qtype, weight, tensor.quantized))
+        self.segments.sort(key=lambda s: s.offset)
+
+    def uncovered(self) -> list[tuple[int, int]]:
+        """Output row ranges no segment fills (a vocabulary's padding rows); overlaps raise."""
+        gaps, at = [], 0
+        for seg in self.segments:
+            if seg.offset < at:
+                raise ValueError(f"GGUF segments overlap at output row {seg.offset}")
+            if seg.offset > at:
+                gaps.append((at, seg.offset))
+            at = seg.offset + seg.rows
+        if at < self.out_features:
+            gaps.append((at, self.out_features))
+        return gaps
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = x2.new_empty((x2.shape[0], self.out_features))
+        for start, stop in self.uncovered():
+            out[:, start:stop] = 0
+        for seg in self.segments:
+            view = out[:, seg.offset : seg.offset + seg.rows]
+            seg_bias = None if bias is None else bias[seg.offset : seg.offset + seg.rows]
+            if seg.quantized:
+                gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, seg_bias, out=view)
+            else:
+                view.copy_(F.linear(x2, seg.weight.to(x2.dtype), None if seg_bias is None else seg_bias.to(x2.dtype)))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to the model's dtype: an embedding lookup."""
+        if len(self.segments) != 1 or self.segments[0].offset != 0:
+            raise ValueError("an embedding is one GGUF tensor")
+        seg = self.segments[0]
+        flat = ids.reshape(-1)
+        if not seg.quantized:
+            return F.embedding(ids, seg.weight)
+        rows = gguf_ops.gguf_dequantize(seg.qtype, seg.weight, self.in_features, rows=flat, dtype=self.dtype)
+        return rows.view(*ids.shape, self.in_features)
+
+    def extra_repr(self) -> str:
+        kinds = sorted({gguf.GGMLQuantizationType(s.qtype).name for s in self.segments})
+        return f"in={self.in_features}, out={self.out_features}, types={','.join(kinds)}"
