@@ -1,7 +1,7 @@
 """pagedllm beside llama.cpp on the same GGUF, in one run, printed as one table:
 
-- W1: 64 prompts x 32 tokens in, 128 out, greedy, ignore_eos (`pagedllm bench throughput`;
-  `llama-batched-bench -npp 32 -ntg 128 -npl 64`, output tokens over its total time);
+- W1: 64 prompts x 32 tokens in (`--input-len`), 128 out, greedy, ignore_eos (`pagedllm bench
+  throughput`; `llama-batched-bench -npp 32 -ntg 128 -npl 64`, output tokens over its total time);
 - W2: batch 1, 128 tokens out (`pagedllm bench latency` TPOT; `llama-bench -n 128`);
 - long prompt: prefill tok/s of one 4,096-token prompt (`pagedllm bench latency
   --input-len 4096 --output-len 1`, TTFT; `llama-bench -p 4096`);
@@ -58,9 +58,9 @@ def _grab(pattern: str, text: str) -> float:
     return float(m.group(1))
 
 
-def pagedllm_runs(extra: list[str]) -> dict[str, float]:
-    w1 = _run(["pagedllm", "bench", "throughput", "--num-prompts", "64", "--input-len", "32", "--output-len", "128",
-               *extra])
+def pagedllm_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
+    w1 = _run(["pagedllm", "bench", "throughput", "--num-prompts", "64", "--input-len", str(input_len),
+               "--output-len", "128", *extra])
     w2 = _run(["pagedllm", "bench", "latency", "--input-len", "32", "--output-len", "128", "--batch-size", "1",
                *extra])
     long = _run(["pagedllm", "bench", "latency", "--input-len", "4096", "--output-len", "1", "--batch-size", "1",
@@ -73,16 +73,16 @@ def pagedllm_runs(extra: list[str]) -> dict[str, float]:
     }
 
 
-def llama_cpp_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
+def llama_cpp_runs(bin_dir: str, gguf: str, threads: int, input_len: int = 32) -> dict[str, float]:
     bench = os.path.join(bin_dir, "llama-bench")
     rows = list(csv.DictReader(io.StringIO(_run(
         [bench, "-m", gguf, "-t", str(threads), "-p", "0,4096", "-n", "128,0", "-r", "3", "-o", "csv"]))))
     tg = next(float(r["avg_ts"]) for r in rows if r["n_gen"] == "128")
     pp = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == "4096")
-    out = _run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-t", str(threads), "-c", str(64 * 160),
-                "-npp", "32", "-ntg", "128", "-npl", "64"])
+    out = _run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-t", str(threads),
+                "-c", str(64 * (input_len + 128)), "-npp", str(input_len), "-ntg", "128", "-npl", "64"])
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    row = next(line for line in out.splitlines() if re.match(r"\|\s+32\s+\|\s+128\s+\|\s+64\s+\|", line))
+    row = next(line for line in out.splitlines() if re.match(rf"\|\s+{input_len}\s+\|\s+128\s+\|\s+64\s+\|", line))
     cells = [c.strip() for c in row.strip("|").split("|")]
     return {"W1 output tok/s": 64 * 128 / float(cells[8]), "W2 ms/token": 1e3 / tg, "prefill 4096 tok/s": pp}
 
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp-bin", required=True, help="directory with llama-bench, llama-batched-bench")
     parser.add_argument("--gguf", default=None, help="default: the default model's GGUF")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=32, help="W1's prompt length (the issue's real sizes: 128)")
     parser.add_argument("--parts", default="offline,start,serve,prefix",
                         help="comma-separated subset of offline (W1, W2, prefill, start-up), start (server "
                              "start-up, first and warm), serve, prefix")
@@ -162,7 +163,10 @@ def main() -> None:
     if args.gguf is None:
         from pagedllm.transformers_utils.default_model import resolve_default_model
 
+        offline_args = args.pagedllm_args
         args.gguf = resolve_default_model()
+    else:
+        offline_args = ["--model", args.gguf, *args.pagedllm_args]
     threads = os.cpu_count() or 1
     ours: dict[str, list[float]] = {}
     peer: dict[str, list[float]] = {}
@@ -171,8 +175,8 @@ def main() -> None:
         mine: dict[str, float] = {}
         theirs: dict[str, float] = {}
         if "offline" in parts:
-            mine |= pagedllm_runs(args.pagedllm_args)
-            theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads)
+            mine |= pagedllm_runs(offline_args, args.input_len)
+            theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads, args.input_len)
         if "start" in parts:
             start_mine, start_theirs = start_up_runs(args.llama_cpp_bin, args.gguf, threads, args.pagedllm_args)
             mine |= start_mine
