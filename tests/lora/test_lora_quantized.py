@@ -1,7 +1,7 @@
-"""LoRA on the default model's quantized linears (its GGUF blocks, and int4 copies): a zero adapter leaves every token as
-the base model's, random adapters change them, and in a batch that mixes four adapters with the
-base model each request gets the tokens it gets in a batch of the same size with no other
-adapter (same size: the same GEMM paths). Slow: the real default model."""
+"""LoRA on the default model's quantized linears (its GGUF blocks, and int4 copies): a zero
+adapter leaves every token as the base model's, random adapters change them, and in a batch that
+mixes four adapters with the base model each request gets the tokens it gets in a batch of the
+same size with no other adapter (same size: the same GEMM paths). Slow: the real default model."""
 
 from __future__ import annotations
 

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor.layers import gguf_ops
+from pagedllm.model_executor.layers import cpu_kernels, gguf_ops
+from pagedllm.model_executor.layers.quantization import (
+    WeightOnlyQuant,
+    int4_group_size,
+    quantize_weight,
+    top_k_indices,
+)
 
 
 @dataclass(slots=True)
@@ -106,3 +112,54 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = sorted({gguf.GGMLQuantizationType(s.qtype).name for s in self.segments})
         return f"in={self.in_features}, out={self.out_features}, types={','.join(kinds)}"
+
+
+# Candidates re-scored from the blocks when the 4-bit copy ranked a row (as `QuantizedLMHead`'s
+# int4 copy: enough to hold whatever sampling can realistically pick).
+RANKED_TOP_K = 256
+
+
+class GGUFRankedHead(nn.Module):
+    """An LM head on GGUF blocks that, for a few rows (batch-1 decode), reads a 4-bit copy of the
+    vocabulary instead: the head is the largest single read of a decode step (262,144 rows; in
+    Q8_0 twice the bytes of int4 g128). The copy only ranks: each row's `top_k` candidates get
+    their logits from the file's own rows (dequantized, a float dot product), so the tokens greedy
+    decoding and sampling pick and their logits are the file's; the tail keeps the copy's values.
+    More rows run the blocks themselves."""
+
+    def __init__(self, blocks: GGUFLinear, few_rows: WeightOnlyQuant, top_k: int = RANKED_TOP_K) -> None:
+        super().__init__()
+        self.blocks, self.few_rows, self.top_k = blocks, few_rows, min(top_k, blocks.out_features)
+
+    @classmethod
+    def build(cls, blocks: GGUFLinear, max_rows: int, chunk_rows: int = 16384) -> GGUFRankedHead | None:
+        """The ranking copy quantized slice by slice from the dequantized blocks (no float copy of
+        the whole head); None where the int4 kernels cannot take this head."""
+        seg = blocks.segments[0] if len(blocks.segments) == 1 else None
+        if seg is None or not seg.quantized or seg.offset or seg.rows != blocks.out_features:
+            return None
+        if cpu_kernels.kernels() is None or int4_group_size(blocks.out_features, blocks.in_features) is None:
+            return None
+        parts = []
+        for start in range(0, seg.rows, chunk_rows):
+            rows = gguf_ops.gguf_dequantize(seg.qtype, seg.weight[start : start + chunk_rows], blocks.in_features)
+            parts.append(quantize_weight(rows, "int4", max_rows, write_back=False))
+        if any(p.layout != "pagedllm" or p.method != "int4" for p in parts):
+            return None
+        first = parts[0]
+        copy = WeightOnlyQuant("int4", torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                               first.in_features, first.group_size, max_rows, first.layout)
+        return cls(blocks, copy)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] > self.few_rows.max_rows:
+            return self.blocks(hidden)
+        logits = self.few_rows(hidden)
+        idx = top_k_indices(logits, self.top_k)
+        m, k = idx.shape
+        rows = self.blocks.lookup(idx.reshape(-1)).view(m, k, -1).to(hidden.dtype)
+        exact = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(1, idx, exact.to(logits.dtype))
+
+    def uncovered(self) -> list[tuple[int, int]]:
+        return self.blocks.uncovered()

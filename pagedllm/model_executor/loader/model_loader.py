@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
+from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
@@ -77,6 +78,10 @@ def _finish_gguf(model: nn.Module) -> None:
         weight = getattr(module, "weight", None)
         if weight is not None:
             weight.data = weight.data.new_empty((0, weight.shape[-1]))
+        if isinstance(module, LMHead) and isinstance(gguf, GGUFLinear) and not gaps:
+            from pagedllm.model_executor.loader.quantize import head_int4_max_rows
+
+            module.gguf = GGUFRankedHead.build(gguf, head_int4_max_rows()) or gguf
 
 
 def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | None:

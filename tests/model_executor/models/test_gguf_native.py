@@ -14,7 +14,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pagedllm.model_executor.layers.gguf_linear import GGUFLinear  # noqa: E402
+from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead  # noqa: E402
 from pagedllm.transformers_utils.gguf_loader import convert_gguf  # noqa: E402
 from tests.model_executor.loader.hf_to_gguf import write_gguf  # noqa: E402
 from tests.model_executor.loader.test_gguf_loader import load_converted  # noqa: E402
@@ -89,9 +89,11 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
     llm = LLM(str(path), dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory=1 << 26)
     try:
         model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
-        linears = [m for m in model.modules() if isinstance(getattr(m, "gguf", None), GGUFLinear)]
-        # 7 projections (as 4 fused layers) a layer, the embedding, the head
-        assert len({id(m.gguf) for m in linears}) == 2 * 4 + 2 - (path.stem == "gemma3")
+        linears = [m for m in model.modules() if isinstance(getattr(m, "gguf", None), (GGUFLinear, GGUFRankedHead))]
+        blocks = {id(getattr(m.gguf, "blocks", m.gguf)) for m in linears}
+        # 7 projections (as 4 fused layers) a layer, the embedding, the head (Gemma's is the embedding)
+        assert len(blocks) == 2 * 4 + 2 - (path.stem == "gemma3")
+        assert isinstance(model.lm_head.gguf, GGUFRankedHead)  # batch-1 steps rank on a 4-bit copy
         for m in linears:  # no float copy: the layers run the file's blocks
             if hasattr(m, "weight"):
                 assert m.weight.numel() == 0

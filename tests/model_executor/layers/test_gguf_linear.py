@@ -1,0 +1,60 @@
+"""GGUFLinear's segments and GGUFRankedHead against the dequantized weights: segments of mixed
+types fill their columns of one output, and a ranked head gives each row's top candidates the
+blocks' own logits (the argmax and the top values exact), a copy's values only in the tail."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pagedllm.model_executor.layers import gguf_ops  # noqa: E402
+from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead  # noqa: E402
+from tests.model_executor.loader.hf_to_gguf import random_blocks  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+K = 256
+
+
+def _tensor(qtype: T, rows: int, seed: int) -> SimpleNamespace:
+    raw = torch.from_numpy(random_blocks(qtype, rows, K, seed))
+    return SimpleNamespace(name=f"t{seed}", shape=torch.Size((rows, K)), quantized=True, qtype=int(qtype),
+                           block_rows=lambda: raw, dense=gguf_ops.gguf_dequantize(int(qtype), raw, K))
+
+
+def test_segments_of_mixed_types_fill_their_columns() -> None:
+    parts = [_tensor(T.Q4_K, 64, 0), _tensor(T.Q8_0, 32, 1), _tensor(T.Q6_K, 32, 2)]
+    layer = GGUFLinear(K, 128, torch.float32)
+    offset = 0
+    for part in parts:
+        layer.add(offset, part)
+        offset += part.shape[0]
+    assert layer.uncovered() == []
+    dense = torch.cat([p.dense for p in parts])
+    x, bias = torch.randn(5, K), torch.randn(128)
+    want = x.double() @ dense.double().T + bias.double()
+    got = layer(x, bias)
+    assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
+def test_ranked_head_keeps_the_top_candidates_exact(qtype) -> None:
+    vocab = 4096
+    head = _tensor(qtype, vocab, 3)
+    blocks = GGUFLinear(K, vocab, torch.float32)
+    blocks.add(0, head)
+    ranked = GGUFRankedHead.build(blocks, max_rows=4)
+    if ranked is None:
+        pytest.skip("no int4 kernels here")
+    hidden = torch.randn(3, K)
+    exact = hidden @ head.dense.T
+    logits = ranked(hidden)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    top = exact.topk(16, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(logits, exact, atol=1e-4)  # the tail is the 4-bit copy's
+    many = torch.randn(6, K)  # more rows than the copy serves: the blocks themselves
+    torch.testing.assert_close(ranked(many), blocks(many))
