@@ -116,7 +116,11 @@ def test_bad_arguments_stop_the_prestarted_core(tiny_llama, tmp_path, extra, mes
 
 
 def test_sigint_during_start_up_stops_at_once(tiny_llama, tmp_path):
-    """Ctrl-C while the engine core loads: the start is abandoned, not finished first."""
+    """Ctrl-C while the engine core loads: the start is abandoned, not finished first. (The C
+    kernels are built beforehand: this is about the engine's start, not a first compile.)"""
+    from pagedllm.model_executor.layers import cpu_kernels
+
+    cpu_kernels.kernels()
     proc, port, tmpdir, log = _start_server(tiny_llama, tmp_path)
     try:
         deadline = time.time() + 120
