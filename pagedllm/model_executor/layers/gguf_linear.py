@@ -52,6 +52,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.segments: list[GGUFSegment] = []
+        self._gaps: list[tuple[int, int]] | None = None  # uncovered(), once the segments are in
 
     def add(self, offset: int, tensor, columns: tuple[int, int] | None = None) -> None:
         """Rows of a `GGUFTensor` (all of its rows) as output rows [offset, offset + its rows);
@@ -71,6 +72,7 @@ class GGUFLinear(nn.Module):
             weight = tensor.load().narrow(1, start, length).to(self.dtype).contiguous()
         self.segments.append(GGUFSegment(offset, tensor.qtype, weight, tensor.quantized))
         self.segments.sort(key=lambda s: s.offset)
+        self._gaps = None
 
     def uncovered(self) -> list[tuple[int, int]]:
         """Output row ranges no segment fills (a vocabulary's padding rows); overlaps raise."""
@@ -90,7 +92,9 @@ class GGUFLinear(nn.Module):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = x2.new_empty((x2.shape[0], self.out_features))
-        for start, stop in self.uncovered():
+        if self._gaps is None:
+            self._gaps = self.uncovered()
+        for start, stop in self._gaps:
             out[:, start:stop] = 0
         for seg in self.segments:
             view = out[:, seg.offset : seg.offset + seg.rows]
@@ -171,6 +175,3 @@ class GGUFRankedHead(nn.Module):
         rows = self.blocks.lookup(idx.reshape(-1)).view(m, k, -1).to(hidden.dtype)
         exact = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, idx, exact.to(logits.dtype))
-
-    def uncovered(self) -> list[tuple[int, int]]:
-        return self.blocks.uncovered()
