@@ -7,7 +7,8 @@
   --input-len 4096 --output-len 1`, TTFT; `llama-bench -p 4096`);
 - start-up: pagedllm's engine start-up to ready, with a warm cache (`bench latency`); and
   launch to a healthy server, `pagedllm serve` on a first start (an empty PAGEDLLM_CACHE_DIR:
-  GGUF conversion, kernel build, weight quantization) and again warm, beside llama-server;
+  the GGUF's config and tokenizer, kernel build) and again warm, beside llama-server, each then
+  answering one completion, with the peak RSS of its processes;
 - serving (`pagedllm bench compare`: random 128 in / 128 out, 64 prompts, 16 concurrent,
   ignore_eos) against `pagedllm serve` and `llama-server -np 16`: output tok/s, median TTFT,
   P99 ITL;
@@ -15,6 +16,8 @@
   4 concurrent) against `pagedllm serve` with prefix caching on and off: median TTFT.
 
     python benchmarks/bench_peers.py --llama-cpp-bin /path/to/llama.cpp/build/bin [--rounds 2]
+    python benchmarks/bench_peers.py --llama-cpp-bin BIN --gguf gemma3-12b-q4_k_m.gguf --parts batch1,start \
+        -- --max-model-len 8192 --kv-cache-memory 4GiB
 
 llama.cpp is a peer, never a dependency: build it in a scratch directory (docs/performance.md
 says how). Both sides use all cores (`-t`: os.cpu_count()). Rounds alternate the engines, so
@@ -35,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 
 from pagedllm.entrypoints.cli.bench_compare import LaunchedServer, launched_server, pagedllm_serve_cmd
@@ -56,6 +60,21 @@ def _grab(pattern: str, text: str) -> float:
     if m is None:
         sys.exit(f"no match for {pattern!r} in:\n{text[-3000:]}")
     return float(m.group(1))
+
+
+def batch1_runs(extra: list[str]) -> dict[str, float]:
+    """W2 alone (the part that a 12B finishes in minutes)."""
+    w2 = _run(["pagedllm", "bench", "latency", "--input-len", "32", "--output-len", "128", "--batch-size", "1",
+               *extra])
+    return {"W2 ms/token": _grab(r"TPOT: ([0-9.]+) ms/token", w2),
+            "start-up s": _grab(r"startup time: ([0-9.]+) s", w2)}
+
+
+def llama_batch1_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
+    rows = list(csv.DictReader(io.StringIO(_run(
+        [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0", "-n", "128", "-r", "2",
+         "-o", "csv"]))))
+    return {"W2 ms/token": 1e3 / float(rows[0]["avg_ts"])}
 
 
 def pagedllm_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
@@ -117,18 +136,32 @@ def llama_server(bin_dir: str, gguf: str, threads: int) -> Iterator[LaunchedServ
         yield server
 
 
+def _served(server: LaunchedServer, figures: dict[str, float]) -> None:
+    """One completion through the started server (it serves, not only starts), then the peak
+    resident set of its processes so far."""
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        if not json.load(resp)["choices"][0]["text"]:
+            sys.exit(f"{server.url} answered an empty completion")
+    figures["serve peak RSS GB"] = server.peak_rss_bytes() / 1e9
+
+
 def start_up_runs(bin_dir: str, gguf: str, threads: int, extra: list[str]) -> tuple[dict, dict]:
     """Seconds from launch to a healthy server: `pagedllm serve` on an empty PAGEDLLM_CACHE_DIR
-    (GGUF conversion, kernel build, weight quantization), then again on the cache that start
-    left; llama-server beside it."""
-    mine = {}
+    (the GGUF's config and tokenizer, kernel build), then again on the cache that start left;
+    llama-server beside it. Each then answers one completion; the peak RSS is taken after it."""
+    mine, theirs = {}, {}
     with tempfile.TemporaryDirectory(prefix="pagedllm-first-start-") as cache:
         for key in ("serve ready s, first start", "serve ready s, warm cache"):
-            with launched_server("pagedllm-serve", pagedllm_serve_cmd(gguf, shlex.join(extra)), timeout=600,
+            with launched_server("pagedllm-serve", pagedllm_serve_cmd(gguf, shlex.join(extra)), timeout=900,
                                  env={"PAGEDLLM_CACHE_DIR": cache}) as server:
                 mine[key] = server.ready_s
+                _served(server, mine)
     with llama_server(bin_dir, gguf, threads) as server:
-        return mine, {"serve ready s, warm cache": server.ready_s}
+        theirs["serve ready s, warm cache"] = server.ready_s
+        _served(server, theirs)
+    return mine, theirs
 
 
 def serving_runs(bin_dir: str, gguf: str, threads: int, extra: list[str]) -> tuple[dict, dict]:
@@ -156,8 +189,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=32, help="W1's prompt length (the issue's real sizes: 128)")
     parser.add_argument("--parts", default="offline,start,serve,prefix",
-                        help="comma-separated subset of offline (W1, W2, prefill, start-up), start (server "
-                             "start-up, first and warm), serve, prefix")
+                        help="comma-separated subset of offline (W1, W2, prefill, start-up), batch1 (W2 "
+                             "alone), start (server start-up, first and warm, and peak RSS), serve, prefix")
     parser.add_argument("pagedllm_args", nargs="*", help="extra arguments for every pagedllm command (after --)")
     args = parser.parse_args()
     if args.gguf is None:
@@ -177,6 +210,9 @@ def main() -> None:
         if "offline" in parts:
             mine |= pagedllm_runs(offline_args, args.input_len)
             theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads, args.input_len)
+        if "batch1" in parts and "offline" not in parts:
+            mine |= batch1_runs(offline_args)
+            theirs |= llama_batch1_runs(args.llama_cpp_bin, args.gguf, threads)
         if "start" in parts:
             start_mine, start_theirs = start_up_runs(args.llama_cpp_bin, args.gguf, threads, args.pagedllm_args)
             mine |= start_mine
@@ -199,7 +235,7 @@ def main() -> None:
             print(f"| {key} | {runs} | | |")
             continue
         a, b = statistics.median(values), statistics.median(peer[key])
-        ratio = b / a if " ms" in key or key.startswith("serve ready") else a / b  # > 1: pagedllm ahead
+        ratio = b / a if " ms" in key or key.startswith("serve ready") or "RSS" in key else a / b  # > 1: pagedllm ahead
         peer_runs = " / ".join(f"{v:.1f}" for v in peer[key])
         print(f"| {key} | {runs} | {peer_runs} | {ratio:.2f}x |")
     if "prefix" in parts:

@@ -159,7 +159,7 @@ def _convert_into(src: str, out: Path) -> None:
         )
     if int(_field(reader, "split.count", 1)) > 1:  # the reader would silently see one shard
         raise ValueError(f"{src} is one shard of a split GGUF; merge it with gguf-split first")
-    check_tensor_types(reader, src)
+    check_tensor_types(reader.tensors, src)
     # Transformers' helpers resolve `dir/file`; link the file into `out` so they never pick up
     # unrelated tokenizer_config.json / config.json files sitting next to the GGUF.
     link = out / "_source.gguf"

@@ -11,8 +11,10 @@ transformers' helpers too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -112,3 +114,100 @@ class _ConfigFields:
 def config_view(reader: Any, arch: str) -> Any:
     """`reader` for building a model config: the same, without the large per-token arrays."""
     return _ConfigFields(reader, arch)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    """What the weight loader needs of one tensor, as `gguf.ReaderTensor` names it: `shape` is
+    GGUF's (innermost first), `data` a view of the file mapping in gguf-py's layout (typed for
+    the float and integer types, rows of bytes for the block types)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
+
+
+# GGUF metadata value types: fixed sizes, and the two that are not (8 string, 9 array)
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+          "I32": np.int32, "I64": np.int64}
+
+
+def read_tensor_table(path: str) -> list[GGUFTensorInfo]:
+    """The tensors of a GGUF file, without parsing its metadata into fields: the key-value
+    section is stepped over (a 262k-token vocabulary's strings are a few hundred thousand length
+    reads, not gguf-py's millions of slices), except `general.alignment`. ValueError where the
+    file is not a readable little-endian GGUF (then `open_gguf_reader` says more)."""
+    import gguf
+
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    buf = mm.view(np.ndarray)
+    pos = 0
+
+    def take(fmt: str) -> int:
+        nonlocal pos
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return value
+
+    def skip_string() -> int:  # (`pos += take(...)` would read pos before take moves it)
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return n
+
+    def text() -> str:
+        n = skip_string()
+        return bytes(buf[pos - n : pos]).decode("utf-8")
+
+    try:
+        if take("<I") != gguf.GGUF_MAGIC or take("<I") not in (2, 3):
+            raise ValueError("not a GGUF v2/v3 file in little-endian order")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        for _ in range(n_kv):
+            key, vtype = text(), take("<I")
+            if key == "general.alignment" and vtype == 4:
+                alignment = take("<I")
+            elif vtype == _STRING:
+                skip_string()
+            elif vtype == _ARRAY:
+                etype, count = take("<I"), take("<Q")
+                if etype == _STRING:
+                    for _ in range(count):
+                        skip_string()
+                elif etype in _SIZES:
+                    pos += _SIZES[etype] * count
+                else:
+                    raise ValueError(f"metadata {key!r}: arrays of type {etype}")
+            elif vtype in _SIZES:
+                pos += _SIZES[vtype]
+            else:
+                raise ValueError(f"metadata {key!r}: value type {vtype}")
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = text(), take("<I")
+            dims = np.array(struct.unpack_from(f"<{n_dims}Q", buf, pos), dtype=np.uint64)
+            pos += 8 * n_dims
+            infos.append((name, dims, gguf.GGMLQuantizationType(take("<I")), take("<Q")))
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    start = -(-pos // alignment) * alignment
+    out = []
+    for name, dims, qtype, offset in infos:
+        np_dims = tuple(int(d) for d in reversed(dims.tolist()))
+        count = int(np.prod(np_dims))
+        typed = _TYPED.get(qtype.name)
+        if typed is not None:
+            data = mm[start + offset : start + offset + count * np.dtype(typed).itemsize].view(typed).reshape(np_dims)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = count // block * size
+            data = mm[start + offset : start + offset + nbytes].reshape(gguf.quant_shape_to_byte_shape(np_dims, qtype))
+        out.append(GGUFTensorInfo(name, qtype, dims, data))
+    return out

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,11 @@ def gguf_source(model_dir: str) -> dict[str, Any] | None:
     return json.loads(meta.read_text()) if meta.is_file() else None
 
 
-def check_tensor_types(reader: Any, path: str) -> None:
+def check_tensor_types(tensors: Iterable[Any], path: str) -> None:
     """A clear error at start for tensors of a type the engine cannot read, naming them."""
     supported = (*FLOAT_TYPES, *NATIVE_TYPES)
     bad: dict[str, list[str]] = {}
-    for t in reader.tensors:
+    for t in tensors:
         if t.tensor_type.name not in supported and t.name not in IGNORED_TENSORS:
             bad.setdefault(t.tensor_type.name, []).append(t.name)
     if bad:
@@ -164,17 +164,20 @@ def iterate_gguf_weights(model_dir: str, config: Any, native: bool) -> Iterator[
     """(HF name, tensor) for every weight of the GGUF a converted directory came from, one at a
     time from the memory-mapped file. MoE expert stacks are dequantized and split per expert
     (the fused experts run in float)."""
-    from pagedllm.transformers_utils.gguf_reader import open_gguf_reader
+    from pagedllm.transformers_utils.gguf_reader import open_gguf_reader, read_tensor_table
 
     source = gguf_source(model_dir)
     path = source["source"]
     if not os.path.isfile(path):
         raise ValueError(f"the GGUF file {path} that {model_dir} was read from is gone")
-    reader = open_gguf_reader(path)
-    check_tensor_types(reader, path)
+    try:  # the metadata is in the converted directory already: only the tensor table is read
+        tensors = read_tensor_table(path)
+    except ValueError:  # a big-endian file (or a broken one: gguf's own reader says why)
+        tensors = open_gguf_reader(path).tensors
+    check_tensor_types(tensors, path)
     arch = source["architecture"]
     names = hf_names(arch, config)
-    for t in reader.tensors:
+    for t in tensors:
         if t.name in IGNORED_TENSORS:
             continue
         hf = names.get(t.name)

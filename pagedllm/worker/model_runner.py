@@ -41,6 +41,7 @@ from pagedllm.worker.step_inputs import prepare_inputs
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 4 << 30
+WARM_UP_PROMPT_TOKENS = 4  # the warm-up prefill: enough rows for every kernel tile (GGUF and int4 tile by 4)
 
 
 class ModelRunner:
@@ -157,9 +158,12 @@ class ModelRunner:
     def warm_up(self) -> None:
         """One short prefill and one decode pass, with logits, in block 0, before any request:
         the first request does not pay for first-call work (the C kernels' build and load,
-        oneDNN's primitive creation, allocator growth). Block 0 is zeroed again afterwards."""
+        oneDNN's primitive creation, allocator growth). Block 0 is zeroed again afterwards. The
+        prefill takes WARM_UP_PROMPT_TOKENS (the multi-row kernel paths) and no more: a token of a
+        12B model is ~0.3 s of compute on 2 cores."""
         sched = self.config.scheduler_config
-        n = max(1, min(self.block_size - 1, sched.max_model_len - 1, sched.max_num_batched_tokens))
+        n = max(1, min(WARM_UP_PROMPT_TOKENS, self.block_size - 1, sched.max_model_len - 1,
+                       sched.max_num_batched_tokens))
         passes = [([0] * n, 0)]
         if n + 1 <= sched.max_model_len and self.pooler_config is None:  # a pooling model never decodes
             passes.append(([0], n))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -39,9 +40,9 @@ def _start_server(model: str, tmp_path: Path, *extra: str) -> tuple[subprocess.P
     tmpdir.mkdir()
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-           "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "pagedllm.entrypoints.cli.main", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+           "--max-model-len", "256", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
     env = {**os.environ, "TMPDIR": str(tmpdir), "PAGEDLLM_LOGGING_LEVEL": "INFO", "PAGEDLLM_API_KEY": ""}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -132,7 +133,13 @@ def test_sigint_during_start_up_stops_at_once(tiny_llama, tmp_path):
             time.sleep(0.05)
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGINT)
-        returncode = proc.wait(30)
+        try:
+            returncode = proc.wait(30)
+        except subprocess.TimeoutExpired:  # where the front is stuck: faulthandler's dump, in the warnings summary
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(10)
+            warnings.warn(f"the front outlived SIGINT by 30 s; its threads:\n{log.read_text()[-8000:]}", stacklevel=1)
+            raise
     finally:
         _stop(proc)
     text = log.read_text()

@@ -10,7 +10,12 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedllm.transformers_utils.gguf_reader import config_view, open_gguf_reader, shared_gguf_reader
+from pagedllm.transformers_utils.gguf_reader import (
+    config_view,
+    open_gguf_reader,
+    read_tensor_table,
+    shared_gguf_reader,
+)
 
 VOCAB = 3000  # above the config view's cut-off for an array
 
@@ -119,3 +124,44 @@ def test_config_view_drops_per_token_arrays(tmp_path, with_vocab_size):
     assert dropped == (expected | {"tokenizer.ggml.tokens"} if with_vocab_size else expected)
     assert view.fields["llama.some.list"].contents() == [1, 2, 3]
     assert view.tensors is reader.tensors
+
+
+def test_tensor_table_matches_gguf_reader(tmp_path):
+    """`read_tensor_table` steps over the metadata (string arrays included) and lays each tensor
+    out as gguf's reader does: typed float arrays, rows of bytes for block types, a non-default
+    alignment honoured."""
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.data_alignment = 64
+    w.add_custom_alignment(64)
+    w.add_token_list([f"tok{i}" for i in range(VOCAB)])
+    w.add_token_scores([float(-i) for i in range(VOCAB)])
+    w.add_string("general.description", "a string value")
+    w.add_array("llama.some.list", [1, 2, 3])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((4, 64)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    stock, table = gguf.GGUFReader(str(path)).tensors, read_tensor_table(str(path))
+    assert [t.name for t in table] == [t.name for t in stock] == ["a.weight", "b.weight", "c.weight"]
+    for ours, theirs in zip(table, stock):
+        assert ours.tensor_type == theirs.tensor_type
+        np.testing.assert_array_equal(ours.shape, theirs.shape)
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
+        np.testing.assert_array_equal(np.asarray(ours.data), np.asarray(theirs.data))
+
+
+def test_tensor_table_refuses_what_it_cannot_read(tmp_path):
+    big = tmp_path / "big.gguf"
+    _write(big, with_vocab_size=True, endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ValueError, match="little-endian"):
+        read_tensor_table(str(big))
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)  # truncated after the counts
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        read_tensor_table(str(bad))

@@ -164,6 +164,26 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace, path: str
 class LaunchedServer:
     url: str
     ready_s: float  # from the launch to the first 200 from /health
+    proc: subprocess.Popen | None = None
+
+    def peak_rss_bytes(self) -> int:
+        """The server's processes' peak resident sets so far (VmHWM, summed over the process
+        and its children: an upper bound on the tree's peak). 0 where /proc cannot say."""
+        import psutil
+
+        total = 0
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            procs += procs[0].children(recursive=True)
+        except (AttributeError, psutil.Error):
+            return 0
+        for p in procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+            except OSError:
+                continue
+        return total
 
 
 @contextlib.contextmanager
@@ -188,7 +208,7 @@ def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout
         raise
     try:
         wait_healthy(name, proc, url, log.name, timeout)
-        yield LaunchedServer(url, time.monotonic() - start)
+        yield LaunchedServer(url, time.monotonic() - start, proc)
     finally:
         stop_process(proc, timeout=30)
         log.close()

@@ -10,6 +10,7 @@ tensors of the file (F32/F16/BF16) are segments too, held in the model's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -142,14 +143,25 @@ class GGUFRankedHead(nn.Module):
         self.top_k = min(top_k, blocks.out_features)
 
     @classmethod
-    def build(cls, blocks: GGUFLinear, max_rows: int, chunk_rows: int = 16384) -> GGUFRankedHead | None:
-        """The ranking copy quantized slice by slice from the dequantized blocks (no float copy of
-        the whole head); None where the int4 kernels cannot take this head."""
+    def build(cls, blocks: GGUFLinear, max_rows: int, chunk_rows: int = 16384,
+              saved: dict[str, torch.Tensor] | None = None,
+              save: Callable[[dict[str, torch.Tensor]], None] | None = None) -> GGUFRankedHead | None:
+        """The ranking copies quantized slice by slice from the dequantized blocks (no float copy
+        of the whole head), or taken from `saved`, what an earlier build handed to `save` (the
+        loader caches them on disk: the 12B head's copies take ~7 s to make on 2 cores); None
+        where the int4 kernels cannot take this head."""
         seg = blocks.segments[0] if len(blocks.segments) == 1 else None
         if seg is None or not seg.quantized or seg.offset or seg.rows != blocks.out_features:
             return None
-        if cpu_kernels.kernels() is None or int4_group_size(blocks.out_features, blocks.in_features) is None:
+        group = int4_group_size(blocks.out_features, blocks.in_features)
+        if cpu_kernels.kernels() is None or group is None:
             return None
+        if saved is not None:
+            copy = WeightOnlyQuant("int4", saved["few.qweight"], saved["few.scales"], blocks.in_features, group,
+                                   max_rows, "pagedllm")
+            if copy.qweight.shape[0] != blocks.out_features:
+                raise ValueError(f"saved copies of {copy.qweight.shape[0]} rows for a head of {blocks.out_features}")
+            return cls(blocks, copy, cls._many(saved["many.qweight"], saved["many.scales"]))
         parts, int8 = [], []
         for start in range(0, seg.rows, chunk_rows):
             rows = gguf_ops.gguf_dequantize(seg.qtype, seg.weight[start : start + chunk_rows], blocks.in_features)
@@ -160,10 +172,17 @@ class GGUFRankedHead(nn.Module):
         first = parts[0]
         copy = WeightOnlyQuant("int4", torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
                                first.in_features, first.group_size, max_rows, first.layout)
-        many = DynamicInt8Quant(None, (torch.cat([q for q, _ in int8]), torch.cat([sc for _, sc in int8])))
+        q8, s8 = torch.cat([q for q, _ in int8]), torch.cat([sc for _, sc in int8])
+        if save is not None and first.group_size == group:
+            save({"few.qweight": copy.qweight, "few.scales": copy.scales, "many.qweight": q8, "many.scales": s8})
+        return cls(blocks, copy, cls._many(q8, s8))
+
+    @staticmethod
+    def _many(qweight: torch.Tensor, scales: torch.Tensor) -> DynamicInt8Quant:
+        many = DynamicInt8Quant(None, (qweight, scales))
         if not many.runs_kernel:
             many.int8_weight()  # oneDNN keeps its packed copy only
-        return cls(blocks, copy, many)
+        return many
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] > self.few_rows.max_rows:

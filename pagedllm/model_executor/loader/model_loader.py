@@ -50,7 +50,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     for param in model.parameters():
         param.__dict__.pop("preloaded", None)
     if native:
-        _finish_gguf(model)
+        _finish_gguf(model, model_config)
     elif model_config.quantization and not restored:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
@@ -63,7 +63,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def _finish_gguf(model: nn.Module) -> None:
+def _finish_gguf(model: nn.Module, model_config: ModelConfig) -> None:
     """After loading the file's blocks: a tied LM head multiplies by the embedding's blocks, and
     the float weights the layers were built with (never written, so never paged in) go."""
     for name, module in model.named_modules():
@@ -79,9 +79,29 @@ def _finish_gguf(model: nn.Module) -> None:
         if weight is not None:
             weight.data = weight.data.new_empty((0, weight.shape[-1]))
         if isinstance(module, LMHead) and isinstance(gguf, GGUFLinear) and not gaps:
-            from pagedllm.model_executor.loader.quantize import head_int4_max_rows
+            module.gguf = _ranked_head(gguf, model_config) or gguf
 
-            module.gguf = GGUFRankedHead.build(gguf, head_int4_max_rows()) or gguf
+
+def _ranked_head(blocks: GGUFLinear, model_config: ModelConfig) -> GGUFRankedHead | None:
+    """The GGUF LM head's ranking copies, read from the quantized-weight cache where a start
+    wrote them for this file, else made (and cached)."""
+    from pagedllm.distributed import get_tp_group
+    from pagedllm.model_executor.loader import quant_cache
+    from pagedllm.model_executor.loader.quantize import head_int4_max_rows
+    from pagedllm.transformers_utils.gguf_weights import gguf_source
+
+    max_rows, source = head_int4_max_rows(), gguf_source(model_config.model_path)
+    tp = get_tp_group()
+    path = None if source is None else quant_cache.gguf_head_file(
+        source["source"], f"head {max_rows} tp {tp.rank_in_group}/{tp.world_size}")
+    if path is not None and path.is_file():
+        try:
+            return GGUFRankedHead.build(blocks, max_rows, saved=quant_cache.load(path)[0])
+        except Exception:  # unreadable, or made for another shape: made again and rewritten
+            logger.warning("the LM head's cached ranking copies %s cannot be used; making them again", path,
+                           exc_info=True)
+    save = None if path is None else (lambda tensors: quant_cache.save(path, tensors, {}))
+    return GGUFRankedHead.build(blocks, max_rows, save=save)
 
 
 def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | None:

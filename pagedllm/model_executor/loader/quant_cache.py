@@ -7,6 +7,9 @@ modification time), the mode, the activation dtype, the kernel build level, the 
 weight range (VNNI or not), the rank's shard and stage, and the quantization code itself. A
 file that fails to load is ignored and replaced. `PAGEDLLM_QUANT_CACHE=0` turns it off.
 
+A GGUF file run on its own blocks caches only its LM head's ranking copies (`gguf_head_file`):
+the rest of the model is the file itself.
+
 Every new version, quantization mode or converted checkpoint makes a new file (~360 MB for the
 default model): a write removes the files no start has read for `STALE_DAYS`.
 """
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _CODE = (Path(qz.__file__), Path(__file__).with_name("quantize.py"))
+_GGUF_HEAD_CODE = (Path(qz.__file__).with_name("gguf_linear.py"), Path(qz.__file__).parents[2] / "csrc" / "gguf.c")
 STALE_DAYS = 7
 
 
@@ -53,6 +57,18 @@ def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: lis
         mode, str(dtype), cpu_kernels.loaded_isa() or "torch", str(qz.DynamicInt8Quant.weight_qmax()), shard,
         *module_names,
     ]
+    return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"
+
+
+def gguf_head_file(gguf_path: str, shard: str) -> Path | None:
+    """Where a GGUF file's LM-head ranking copies (`GGUFRankedHead`) are cached: keyed by the
+    file (path, size, modification time), the code that makes them and the kernel level."""
+    if os.environ.get("PAGEDLLM_QUANT_CACHE", "1") == "0" or not os.path.isfile(gguf_path):
+        return None
+    st = os.stat(gguf_path)
+    parts = [__version__, *(p.read_text() for p in _CODE), *(p.read_text() for p in _GGUF_HEAD_CODE), "gguf head",
+             os.path.realpath(gguf_path), f"{st.st_size}:{st.st_mtime_ns}", cpu_kernels.loaded_isa() or "torch",
+             str(qz.DynamicInt8Quant.weight_qmax()), shard]
     return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"
 
 

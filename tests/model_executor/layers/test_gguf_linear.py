@@ -62,3 +62,24 @@ def test_ranked_head_keeps_the_top_candidates_exact(qtype) -> None:
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     top = exact.topk(4, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+
+
+def test_ranked_head_from_saved_copies_is_the_same() -> None:
+    """What `build` hands to `save` (the loader's on-disk cache) rebuilds the same head: the same
+    logits for few rows and many, without quantizing again; copies for another head are refused."""
+    vocab = 4096
+    blocks = GGUFLinear(K, vocab, torch.float32)
+    blocks.add(0, _tensor(T.Q6_K, vocab, 4))
+    saved = {}
+    made = GGUFRankedHead.build(blocks, max_rows=4, save=saved.update)
+    if made is None:
+        pytest.skip("no int4 kernels here")
+    assert set(saved) == {"few.qweight", "few.scales", "many.qweight", "many.scales"}
+    again = GGUFRankedHead.build(blocks, max_rows=4, saved={k: v.clone() for k, v in saved.items()})
+    for rows in (2, 7):
+        hidden = torch.randn(rows, K)
+        assert torch.equal(made(hidden), again(hidden))
+    other = GGUFLinear(K, vocab // 2, torch.float32)
+    other.add(0, _tensor(T.Q6_K, vocab // 2, 5))
+    with pytest.raises(ValueError, match="saved copies of 4096 rows"):
+        GGUFRankedHead.build(other, max_rows=4, saved=saved)

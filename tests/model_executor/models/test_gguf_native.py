@@ -102,3 +102,13 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
     finally:
         llm.llm_engine.shutdown()
     assert_greedy_match(got, _reference(out, 12), tol=0.05)
+    # The head's ranking copies were cached: a second start reads them, and decodes the same.
+    cached = sorted((out.parent.parent / "quantized").glob("*.safetensors"))
+    assert len(cached) == 1, cached
+    llm = LLM(str(path), dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory=1 << 26)
+    try:
+        again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert again == got
+    assert sorted((out.parent.parent / "quantized").glob("*.safetensors")) == cached
