@@ -7,15 +7,19 @@
  * Byte layouts as gguf-py's quants.py reads them (summarised next to gg_decode32 below).
  *
  * The linear runs integer dot products: each activation row is quantized once per call to int8
- * in blocks of 32 with a float scale per block (and the sums of each 16 of its int8 values, for
- * the formats whose values carry an offset or a min). A weight block's quants meet the int8
+ * with a float scale per 32 values for the legacy types and per 256 for the K types, as llama.cpp
+ * quantizes activations (Q8_0 / Q8_K), and the sums of each 16 of its int8 values (for the
+ * formats whose values carry an offset or a min). A weight block's quants meet the int8
  * activations as u8 x s8 multiply-adds (vpmaddubsw + vpmaddwd, or VNNI vpdpbusd where built
- * with it); every block's int32 sum is scaled in float by (weight scale x activation scale).
+ * with it). A legacy block's int32 sum is scaled in float by (weight scale x activation scale);
+ * a K sub-block's small integer scale multiplies in as vpmaddwd's operand, so the int32 sums of
+ * a super-block add up and are scaled once (GG_INT_SCALED: two instructions a block and row,
+ * where the float scaling took four).
  * The offsets (Q4_0's -8, Q5_0's -16, Q6_K's -32) and mins (Q4_1, Q5_1, Q4_K, Q5_K) come in
  * once per 8 blocks through the activation sums. vpmaddubsw adds product pairs in int16 with
  * saturation: the unsigned quants are at most 63, so a pair is at most 2 * 63 * 127; Q8_0's
- * signed weights run as |w| x (x * sign w), at most 2 * 128 * 127. Q6_K's 16-value scales
- * multiply in as vpmaddwd's int16 operand (on every SIMD build, VNNI or not). The AVX-512 build
+ * signed weights run as |w| x (x * sign w), at most 2 * 128 * 127. Times a sub-block scale
+ * (|sc| <= 127) and summed over a super-block, an int32 lane stays under 2^26. The AVX-512 build
  * runs the same 256-bit code (with VNNI where it has it); the portable C build decodes each
  * block to integers and runs plain loops.
  *
@@ -204,15 +208,17 @@ void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k
 
 /* ---------- activations: int8 blocks of 32 ----------
  * Per row, padded to whole groups of 8 blocks (256 values) with zeros: q (int8), d (each
- * block's scale, max |x| / 127), ds (d * the block's sum of q, for the mins), s16 (the sums of
- * each 16 q, for Q6_K's offset under its 16-value scales). A block holding inf or NaN gets
- * d = NaN and q = 0: every output of its row is then NaN, as its float product would not be
- * finite either; quantizing it would hide that. */
+ * block's scale, max |x| / 127 over the block, or over its group of 8 for the K types, then
+ * the same in all 8), ds (d * the block's sum of q, for the mins), s16 (the sums of each 16 q,
+ * for Q6_K's offset under its 16-value scales). Values under a scale that include inf or NaN
+ * get d = NaN and q = 0: every output of the row is then NaN, as its float product would not
+ * be finite either; quantizing them would hide that. */
 typedef struct {
     int8_t *q;
     float *d, *ds;
     int16_t *s16;
     int64_t kq, nb8; /* per row: kq = groups * 256 values, nb8 = groups * 8 blocks */
+    int group;       /* values under one scale: 32, or 256 for the K types (d repeated per block) */
 } gg_act;
 
 #if defined(PL_AVX512) || defined(PL_AVX2)
@@ -230,57 +236,67 @@ INLINE int32_t gg_hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-static void gg_quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *d, float *ds, int16_t *s16) {
+static void gg_quantize_row(const void *x, int bf16, int64_t k, int group, int8_t *q, float *d, float *ds,
+                            int16_t *s16) {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-    for (int64_t b = 0; b < k / 32; b++) {
-        __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = gg_load8(x, bf16, 32 * b + 8 * j);
-            __m256 a = _mm256_andnot_ps(sign, v[j]);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
-            amax = _mm256_max_ps(amax, a);
-        }
+    const int64_t per = group / 32; /* blocks under one scale */
+    for (int64_t g = 0; g < k / 32; g += per) {
+        __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int64_t b = g; b < g + per; b++)
+            for (int j = 0; j < 4; j++) {
+                __m256 a = _mm256_andnot_ps(sign, gg_load8(x, bf16, 32 * b + 8 * j));
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
+                amax = _mm256_max_ps(amax, a);
+            }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         int nonfinite = _mm256_movemask_ps(bad) != 0;
         float inv = !nonfinite && a > 0.0f ? 127.0f / a : 0.0f;
-        inv = inv <= 1e30f ? inv : 0.0f; /* a block of values under ~1e-28: zeros (not an inf scale) */
+        inv = inv <= 1e30f ? inv : 0.0f; /* values under ~1e-28: zeros (not an inf scale) */
         __m256 vinv = _mm256_set1_ps(inv);
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vinv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vinv));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vinv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vinv));
-        /* packs work per 128-bit half: dwords come out as values 0-3, 8-11, 16-19, 24-27, 4-7, ... */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), p);
-        int32_t s0 = gg_hsum_i32(_mm256_add_epi32(i0, i1)), s1 = gg_hsum_i32(_mm256_add_epi32(i2, i3));
-        s16[2 * b] = (int16_t)s0, s16[2 * b + 1] = (int16_t)s1;
-        d[b] = nonfinite ? NAN : a / 127.0f;
-        ds[b] = d[b] * (float)(s0 + s1);
+        for (int64_t b = g; b < g + per; b++) {
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(gg_load8(x, bf16, 32 * b), vinv));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(gg_load8(x, bf16, 32 * b + 8), vinv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(gg_load8(x, bf16, 32 * b + 16), vinv));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(gg_load8(x, bf16, 32 * b + 24), vinv));
+            /* packs work per 128-bit half: dwords come out as values 0-3, 8-11, 16-19, 24-27, 4-7, ... */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + 32 * b), p);
+            int32_t s0 = gg_hsum_i32(_mm256_add_epi32(i0, i1)), s1 = gg_hsum_i32(_mm256_add_epi32(i2, i3));
+            s16[2 * b] = (int16_t)s0, s16[2 * b + 1] = (int16_t)s1;
+            d[b] = nonfinite ? NAN : a / 127.0f;
+            ds[b] = d[b] * (float)(s0 + s1);
+        }
     }
 }
 #else
-static void gg_quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *d, float *ds, int16_t *s16) {
-    for (int64_t b = 0; b < k / 32; b++) {
+static void gg_quantize_row(const void *x, int bf16, int64_t k, int group, int8_t *q, float *d, float *ds,
+                            int16_t *s16) {
+    const int64_t per = group / 32;
+    for (int64_t g = 0; g < k / 32; g += per) {
         float a = 0.0f;
         int nonfinite = 0;
-        for (int i = 0; i < 32; i++) {
-            float v = fabsf(load1(x, bf16, 32 * b + i));
+        for (int64_t i = 32 * g; i < 32 * (g + per); i++) {
+            float v = fabsf(load1(x, bf16, i));
             nonfinite |= !(v < INFINITY);
             a = v > a ? v : a;
         }
         float inv = !nonfinite && a > 0.0f ? 127.0f / a : 0.0f;
-        inv = inv <= 1e30f ? inv : 0.0f; /* a block of values under ~1e-28: zeros (not an inf scale) */
-        int32_t s[2] = {0, 0};
-        for (int i = 0; i < 32; i++) {
-            float r = nearbyintf(load1(x, bf16, 32 * b + i) * inv);
-            int v = (int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-            q[32 * b + i] = (int8_t)v;
-            s[i / 16] += v;
+        inv = inv <= 1e30f ? inv : 0.0f; /* values under ~1e-28: zeros (not an inf scale) */
+        for (int64_t b = g; b < g + per; b++) {
+            int32_t s[2] = {0, 0};
+            for (int i = 0; i < 32; i++) {
+                float r = nearbyintf(load1(x, bf16, 32 * b + i) * inv);
+                int v = (int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+                q[32 * b + i] = (int8_t)v;
+                s[i / 16] += v;
+            }
+            s16[2 * b] = (int16_t)s[0], s16[2 * b + 1] = (int16_t)s[1];
+            d[b] = nonfinite ? NAN : a / 127.0f;
+            ds[b] = d[b] * (float)(s[0] + s[1]);
         }
-        s16[2 * b] = (int16_t)s[0], s16[2 * b + 1] = (int16_t)s[1];
-        d[b] = nonfinite ? NAN : a / 127.0f;
-        ds[b] = d[b] * (float)(s[0] + s[1]);
     }
 }
 #endif
@@ -290,7 +306,7 @@ static void gg_quantize(const void *x, int bf16, int64_t r, int64_t k, const gg_
     int8_t *q = a->q + r * a->kq;
     float *d = a->d + r * a->nb8, *ds = a->ds + r * a->nb8;
     int16_t *s16 = a->s16 + r * 2 * a->nb8;
-    gg_quantize_row(row_ptr(x, bf16, r * k), bf16, k, q, d, ds, s16);
+    gg_quantize_row(row_ptr(x, bf16, r * k), bf16, k, a->group, q, d, ds, s16);
     memset(q + k, 0, (size_t)(a->kq - k));
     for (int64_t b = k / 32; b < a->nb8; b++) d[b] = ds[b] = 0.0f, s16[2 * b] = s16[2 * b + 1] = 0;
 }
@@ -308,6 +324,15 @@ static void gg_quantize(const void *x, int bf16, int64_t r, int64_t k, const gg_
 #define GG_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 #else
 #define GG_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#endif
+/* The K types whose sub-block scales multiply in as vpmaddwd's int16 operand: their blocks' int32
+ * sums add up over the super-block (whose activation scale is one), and one float scaling per
+ * super-block follows. Q6_K on every build; Q4_K and Q5_K where vpdpbusd is not there to take
+ * the products in one instruction (then scaled per block in float, as the legacy types are). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define GG_INT_SCALED(type) ((type) == GG_Q6_K)
+#else
+#define GG_INT_SCALED(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
 #endif
 
 INLINE float gg_hsum(__m256 a) {
@@ -411,6 +436,8 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
         _mm_prefetch((const char *)grp + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
     __m256 D, Mn = _mm256_setzero_ps();
     __m128i sc6 = _mm_setzero_si128();
+    __m256i sc16 = _mm256_setzero_si256(); /* Q4_K / Q5_K sub-block scales as int16, in both halves */
+    float dsup = 0.0f;     /* a K super-block's own scale */
     switch (type) {
         case GG_Q4_0: D = gg_halves8(grp, 18, nb), Mn = _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)); break;
         case GG_Q5_0: D = gg_halves8(grp, 22, nb), Mn = _mm256_mul_ps(D, _mm256_set1_ps(-16.0f)); break;
@@ -419,6 +446,8 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
         case GG_Q8_0: D = gg_halves8(grp, 34, nb); break;
         case GG_Q4_K: case GG_Q5_K: {
             __m128i scmn = gg_k_scales_vec(grp + 4);
+            sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
+            dsup = gg_half(grp);
             __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scmn));
             __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
             __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gg_u32(grp)))); /* d, dmin */
@@ -428,7 +457,8 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
             break;
         }
         default: /* GG_Q6_K */
-            D = _mm256_set1_ps(gg_half(grp + 208));
+            dsup = gg_half(grp + 208);
+            D = _mm256_set1_ps(dsup);
             Mn = _mm256_mul_ps(D, _mm256_set1_ps(-32.0f));
             sc6 = _mm_loadu_si128((const __m128i *)(grp + 192));
             break;
@@ -444,6 +474,8 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
             acc[2 * r] = _mm256_fmadd_ps(Mn, _mm256_loadu_ps(xds + r * nb8), acc[2 * r]);
         }
     }
+    __m256i iacc[GG_TILE];
+    for (int r = 0; r < M; r++) iacc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         if (b >= nb) continue; /* only in a short group: a whole one has nb = 8, a constant */
@@ -453,6 +485,15 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
             const __m128i two = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             __m128i pick = _mm_add_epi8(two, _mm_set1_epi8((char)(2 * b)));
             scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc6, pick));
+        } else if (GG_INT_SCALED(type)) { /* int16 lane b everywhere (a shuffle: no store and reload) */
+            scv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * b)));
+        }
+        if (GG_INT_SCALED(type)) {
+            for (int r = 0; r < M; r++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * kq + 32 * b));
+                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), scv));
+            }
+            continue;
         }
         for (int r = 0; r < M; r++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * kq + 32 * b)), p;
@@ -463,6 +504,10 @@ INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gb
             *ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(S + 8 * r + b), *ac);
         }
     }
+    if (GG_INT_SCALED(type)) /* one activation scale per super-block: xd's 8 entries are equal */
+        for (int r = 0; r < M; r++)
+            acc[2 * r + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(dsup * xd[r * nb8]),
+                                             acc[2 * r + 1]);
 }
 
 /* out[r] = activation row r0 + r . W row, for r < M. Two accumulators a row, for its even and
@@ -586,7 +631,8 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     const gg_row_fn *fns = gg_row_fns(type);
     if (!fns) return;
     int64_t nblk = k / 32, nb8 = (nblk + 7) / 8 * 8;
-    gg_act a = {.kq = nb8 * 32, .nb8 = nb8};
+    int kquant = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K;
+    gg_act a = {.kq = nb8 * 32, .nb8 = nb8, .group = kquant ? 256 : 32};
     a.q = aligned_alloc(64, (size_t)(m * a.kq));
     a.d = aligned_alloc(64, (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64));
     a.ds = aligned_alloc(64, (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64));

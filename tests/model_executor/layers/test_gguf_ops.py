@@ -1,7 +1,9 @@
 """GGUF kernels (csrc/gguf.c through gguf_ops) against gguf-py: the linear against its
-dequantize and a float64 matmul (activations run as int8 per 32 values, so within ~1e-2), the
-dequantize equal to it, a row's result independent of its batch, bias, bf16, strided outputs,
-non-finite activations. Every kernel test runs once per instruction-set build this CPU runs
+dequantize and a float64 matmul, both of the activations as given (within the int8 rounding:
+~1e-2) and of the activations as the kernels quantize them (int8 under a scale per 32 values,
+per 256 for the K types, as llama.cpp's Q8_0 / Q8_K: to float32 rounding), the dequantize
+equal to it, a row's result independent of its batch, bias, bf16, strided outputs, non-finite
+activations. Every kernel test runs once per instruction-set build this CPU runs
 (conftest.py's `kernel_isa`); the AVX-512 build (with VNNI and BF16) and the AVX-VNNI one are
 compiled even where the CPU cannot run them. Without the kernels (no gcc) the same calls take
 the torch fallback and the same checks hold."""
@@ -22,6 +24,7 @@ from pagedllm.model_executor.layers import cpu_kernels, gguf_ops
 
 QUANTIZED = [2, 3, 6, 7, 8, 12, 13, 14]  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
 FLOATS = [0, 1, 30]  # F32 F16 BF16
+K_TYPES = [12, 13, 14]
 N = 48
 uses_kernels = pytest.mark.usefixtures("kernel_isa")
 
@@ -46,6 +49,15 @@ def _dequantized(qtype: int, raw: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy(np.array(deq, dtype=np.float32).reshape(raw.shape[0], k))
 
 
+def _as_the_kernels_see(x: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x after the kernels' int8 quantization of activations (float32 steps as the C code's)."""
+    group = 256 if qtype in K_TYPES else 32
+    xs = x.float().reshape(x.shape[0], -1, group)
+    a = xs.abs().amax(-1, keepdim=True)
+    inv = torch.where(a > 0, 127.0 / a, torch.zeros_like(a))
+    return ((xs * inv).round().clamp(-127, 127) * (a / 127.0)).reshape(x.shape)
+
+
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
@@ -66,7 +78,10 @@ def test_linear_matches_dequantized_matmul(qtype, k):
         y = gguf_ops.gguf_linear(x[:m], qtype, w, k)
         assert y.shape == (m, N) and y.dtype == torch.float32
         ref = x[:m].double() @ ref_w.T
-        assert _rel(y, ref) < (1e-2 if qtype in QUANTIZED else 1e-5), (m, _rel(y, ref))
+        assert _rel(y, ref) < (2e-2 if qtype in QUANTIZED else 1e-5), (m, _rel(y, ref))
+        if qtype in QUANTIZED and _kernels_built():  # the kernels' own rounding, and nothing else
+            seen = _as_the_kernels_see(x[:m], qtype).double() @ ref_w.T
+            assert _rel(y, seen) < 1e-5, (m, _rel(y, seen))
     # leading dims pass through
     assert gguf_ops.gguf_linear(x[:6].view(2, 3, k), qtype, w, k).shape == (2, 3, N)
 
@@ -100,12 +115,12 @@ def test_bias_bf16_and_a_column_slice_of_the_output(qtype):
     x = torch.randn(5, k, generator=gen)
     bias = torch.randn(N, generator=gen)
     y = gguf_ops.gguf_linear(x, qtype, w, k, bias)
-    assert _rel(y, x.double() @ ref_w.T + bias.double()) < 1e-2
+    assert _rel(y, x.double() @ ref_w.T + bias.double()) < 2e-2
 
     xb, bb = x.bfloat16(), bias.bfloat16()
     yb = gguf_ops.gguf_linear(xb, qtype, w, k, bb)
     assert yb.dtype == torch.bfloat16
-    assert _rel(yb, xb.double() @ ref_w.T + bb.double()) < 1.5e-2
+    assert _rel(yb, xb.double() @ ref_w.T + bb.double()) < 2.5e-2
 
     # a q/k/v-style segment: columns [7, 7 + N) of a wider output, the rest untouched
     wide = torch.full((5, N + 20), 1234.5)
