@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -122,3 +124,29 @@ def test_a_stream_without_tokens_is_a_failure_that_says_what_came_back():
     assert not result.ok and result.error == ("no completion tokens: 0 text chunks, finish_reason None, usage "
                                               "{'completion_tokens': 0}, error {'message': 'slot unavailable', "
                                               "'code': 503}")
+
+
+def test_peak_rss_of_a_launched_process_tree():
+    """`LaunchedServer.peak_rss_bytes` sums VmHWM over the process and its children: a child that
+    touched 64 MiB shows in it."""
+    import psutil
+
+    from pagedllm.entrypoints.cli.bench_compare import LaunchedServer
+
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'b = bytearray(64 << 20); print(1, flush=True); import time; time.sleep(30)']); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            kids = psutil.Process(proc.pid).children()
+            if kids and psutil.Process(kids[0].pid).memory_info().rss > 64 << 20:
+                break
+            time.sleep(0.05)
+        assert LaunchedServer("http://x", 0.0, proc).peak_rss_bytes() > 64 << 20
+        assert LaunchedServer("http://x", 0.0).peak_rss_bytes() == 0
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
