@@ -45,8 +45,15 @@ def _start_server(model: str, tmp_path: Path, *extra: str) -> tuple[subprocess.P
            "--max-model-len", "256", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
     env = {**os.environ, "TMPDIR": str(tmpdir), "PAGEDLLM_LOGGING_LEVEL": "INFO", "PAGEDLLM_API_KEY": ""}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_sigint_as_in_a_terminal)
     return proc, port, tmpdir, log
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the server: a suite run as a background job (`... &` in a
+    script) inherits an ignored SIGINT, which `pagedllm serve` keeps ignored, as a background
+    job's should be; the tests stand for a server started from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -116,9 +123,6 @@ def test_bad_arguments_stop_the_prestarted_core(tiny_llama, tmp_path, extra, mes
     assert not left, left
 
 
-@pytest.mark.xfail(strict=False, raises=subprocess.TimeoutExpired,
-                   reason="in a fresh CI virtualenv the front has outlived SIGINT by 30 s during start-up (open: "
-                          "passes in a warm one); the cause is not yet found")
 def test_sigint_during_start_up_stops_at_once(tiny_llama, tmp_path):
     """Ctrl-C while the engine core loads: the start is abandoned, not finished first. (The C
     kernels are built beforehand: this is about the engine's start, not a first compile.)"""

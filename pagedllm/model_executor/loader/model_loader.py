@@ -100,8 +100,14 @@ def _ranked_head(blocks: GGUFLinear, model_config: ModelConfig) -> GGUFRankedHea
         except Exception:  # unreadable, or made for another shape: made again and rewritten
             logger.warning("the LM head's cached ranking copies %s cannot be used; making them again", path,
                            exc_info=True)
-    save = None if path is None else (lambda tensors: quant_cache.save(path, tensors, {}))
-    return GGUFRankedHead.build(blocks, max_rows, save=save)
+
+    def save(tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            quant_cache.save(path, tensors, {})
+        except OSError as e:  # a read-only cache: the next start makes them again
+            logger.warning("could not write the quantization cache %s: %s", path, e)
+
+    return GGUFRankedHead.build(blocks, max_rows, save=None if path is None else save)
 
 
 def _quant_cache_file(model: nn.Module, model_config: ModelConfig) -> Path | None:
