@@ -80,16 +80,10 @@ def llama_batch1_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]
 def pagedllm_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
     w1 = _run(["pagedllm", "bench", "throughput", "--num-prompts", "64", "--input-len", str(input_len),
                "--output-len", "128", *extra])
-    w2 = _run(["pagedllm", "bench", "latency", "--input-len", "32", "--output-len", "128", "--batch-size", "1",
-               *extra])
     long = _run(["pagedllm", "bench", "latency", "--input-len", "4096", "--output-len", "1", "--batch-size", "1",
                  "--num-iters", "1", *extra])
-    return {
-        "W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1),
-        "W2 ms/token": _grab(r"TPOT: ([0-9.]+) ms/token", w2),
-        "prefill 4096 tok/s": 4096 / (_grab(r"TTFT: ([0-9.]+) ms", long) / 1e3),
-        "start-up s": _grab(r"startup time: ([0-9.]+) s", w2),
-    }
+    return {"W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1), **batch1_runs(extra),
+            "prefill 4096 tok/s": 4096 / (_grab(r"TTFT: ([0-9.]+) ms", long) / 1e3)}
 
 
 def llama_cpp_runs(bin_dir: str, gguf: str, threads: int, input_len: int = 32) -> dict[str, float]:

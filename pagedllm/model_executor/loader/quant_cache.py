@@ -51,13 +51,17 @@ def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: lis
     files = sorted(p for p in Path(model_path).iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     if not files:
         return None
-    parts = [
-        __version__, *(p.read_text() for p in _CODE), str(Path(model_path).resolve()),
-        *(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files),
-        mode, str(dtype), cpu_kernels.loaded_isa() or "torch", str(qz.DynamicInt8Quant.weight_qmax()), shard,
-        *module_names,
-    ]
-    return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"
+    return _keyed_file(_CODE, str(Path(model_path).resolve()),
+                       *(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files),
+                       mode, str(dtype), shard, *module_names)
+
+
+def _keyed_file(code: tuple[Path, ...], *parts: str) -> Path:
+    """The cache file for `parts` plus what every entry depends on: the version, the code that
+    makes it, the kernel build level and the W8A8 weight range."""
+    key = [__version__, *(p.read_text() for p in code), cpu_kernels.loaded_isa() or "torch",
+           str(qz.DynamicInt8Quant.weight_qmax()), *parts]
+    return cache_dir() / f"{hashlib.sha256(chr(0).join(key).encode()).hexdigest()[:24]}.safetensors"
 
 
 def gguf_head_file(gguf_path: str, shard: str) -> Path | None:
@@ -66,10 +70,8 @@ def gguf_head_file(gguf_path: str, shard: str) -> Path | None:
     if os.environ.get("PAGEDLLM_QUANT_CACHE", "1") == "0" or not os.path.isfile(gguf_path):
         return None
     st = os.stat(gguf_path)
-    parts = [__version__, *(p.read_text() for p in _CODE), *(p.read_text() for p in _GGUF_HEAD_CODE), "gguf head",
-             os.path.realpath(gguf_path), f"{st.st_size}:{st.st_mtime_ns}", cpu_kernels.loaded_isa() or "torch",
-             str(qz.DynamicInt8Quant.weight_qmax()), shard]
-    return cache_dir() / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}.safetensors"
+    return _keyed_file((*_CODE, *_GGUF_HEAD_CODE), "gguf head", os.path.realpath(gguf_path),
+                       f"{st.st_size}:{st.st_mtime_ns}", shard)
 
 
 def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, dict]) -> None:
