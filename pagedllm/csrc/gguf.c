@@ -8,29 +8,35 @@
  *
  * The linear runs integer dot products: each activation row is quantized once per call to int8
  * with a float scale per 32 values for the legacy types and per 256 for the K types, as llama.cpp
- * quantizes activations (Q8_0 / Q8_K), and the sums of each 16 of its int8 values (for the
- * formats whose values carry an offset or a min). A weight block's quants meet the int8
- * activations as u8 x s8 multiply-adds (vpmaddubsw + vpmaddwd, or VNNI vpdpbusd where built
- * with it). A legacy block's int32 sum is scaled in float by (weight scale x activation scale);
- * a K sub-block's small integer scale multiplies in as vpmaddwd's operand, so the int32 sums of
- * a super-block add up and are scaled once (GG_INT_SCALED: two instructions a block and row,
- * where the float scaling took four).
- * The offsets (Q4_0's -8, Q5_0's -16, Q6_K's -32) and mins (Q4_1, Q5_1, Q4_K, Q5_K) come in
- * once per 8 blocks through the activation sums. vpmaddubsw adds product pairs in int16 with
- * saturation: the unsigned quants are at most 63, so a pair is at most 2 * 63 * 127; Q8_0's
- * signed weights run as |w| x (x * sign w), at most 2 * 128 * 127. Times a sub-block scale
- * (|sc| <= 127) and summed over a super-block, an int32 lane stays under 2^26. The AVX-512 build
- * runs the same 256-bit code (with VNNI where it has it); the portable C build decodes each
- * block to integers and runs plain loops.
+ * quantizes activations (Q8_0 / Q8_K), with the sums of each 16 and each 32 of its int8 values.
+ * A weight block's quants meet the int8 activations as u8 x s8 multiply-adds (vpmaddubsw +
+ * vpmaddwd, or VNNI vpdpbusd for the legacy types where built with it). Each unit of a row (a
+ * legacy block of 32, a K super-block of 256) ends as exact integers first: the sum of its
+ * products, a K sub-block's small scale multiplied in as vpmaddwd's int16 operand; an offset
+ * (Q4_0's 8, Q5_0's 16, Q6_K's 32 under its sub-block scales) taken off as offset x the
+ * activations' sums; for a min (Q4_1, Q5_1, Q4_K, Q5_K) the activations' sums (times Q4_K /
+ * Q5_K's integer mins) as a second integer. Then floats, once per unit: float(sum) x (weight
+ * scale x activation scale), and float(min sum) x (min x activation scale).
  *
- * Threads take blocks of 16 weight rows (one sequential stream each at one activation row);
- * activation rows go in passes that fit L2, each a pass over W.
+ * vpmaddubsw adds product pairs in int16 with saturation: the unsigned quants are at most 63, so
+ * a pair is at most 2 * 63 * 127; Q8_0's signed weights run as |w| x (x * sign w), at most 2 *
+ * 128 * 127. The panels below add those int16 pairs over as many steps as stay under 2^15 (8
+ * for 4-bit quants: 8 * 2 * 15 * 127 = 30,480; 4 for 5-bit; 2 for 6-bit; 1 for Q8_0) before one
+ * vpmaddwd. A unit's integer sum stays under 2^29. The AVX-512 build runs the same 256-bit code
+ * (with VNNI where it has it); the portable C build decodes each block to integers and runs
+ * plain loops.
  *
- * Batch independence: activation rows go through in tiles of up to 4, each weight block decoded
- * once per tile, but each row has its own accumulators and every (row, output) takes the same
- * operations in the same order whatever the tile: a row's result does not depend on m or on
- * where it falls in the batch (the engine promises a request's output does not depend on its
- * batch). The float accumulation order is fixed per build; builds differ from each other. */
+ * Two ways through W. For a few activation rows, threads take blocks of 16 weight rows (one
+ * sequential stream each), each weight row decoded once per 4 activation rows (gg_row); rows go
+ * in passes that fit L2. From GG_PANEL_ROWS activation rows on, threads take panels of 8 weight
+ * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
+ * meets (gg_panel_tile): a decoded step serves 8 outputs, and there is no horizontal sum.
+ *
+ * Batch independence: both ways take the same float operations, in the same order, for every
+ * (row, output): unit u's terms go into lane u % 8 of the row's accumulator, and the 8 lanes add
+ * up in gg_hsum's order. A row's result does not depend on m or on where it falls in the batch
+ * (the engine promises a request's output does not depend on its batch). The float
+ * accumulation order is fixed per build; builds differ from each other. */
 #include "common.h"
 
 enum {
@@ -216,7 +222,7 @@ void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k
 typedef struct {
     int8_t *q;
     float *d, *ds;
-    int16_t *s16;
+    int16_t *s16, *b32; /* 16-value and 32-value sums of q */
     int64_t kq, nb8; /* per row: kq = groups * 256 values, nb8 = groups * 8 blocks */
     int group;       /* values under one scale: 32, or 256 for the K types (d repeated per block) */
 } gg_act;
@@ -305,15 +311,17 @@ static void gg_quantize_row(const void *x, int bf16, int64_t k, int group, int8_
 static void gg_quantize(const void *x, int bf16, int64_t r, int64_t k, const gg_act *a) {
     int8_t *q = a->q + r * a->kq;
     float *d = a->d + r * a->nb8, *ds = a->ds + r * a->nb8;
-    int16_t *s16 = a->s16 + r * 2 * a->nb8;
+    int16_t *s16 = a->s16 + r * 2 * a->nb8, *b32 = a->b32 + r * a->nb8;
     gg_quantize_row(row_ptr(x, bf16, r * k), bf16, k, a->group, q, d, ds, s16);
     memset(q + k, 0, (size_t)(a->kq - k));
     for (int64_t b = k / 32; b < a->nb8; b++) d[b] = ds[b] = 0.0f, s16[2 * b] = s16[2 * b + 1] = 0;
+    for (int64_t b = 0; b < a->nb8; b++) b32[b] = (int16_t)(s16[2 * b] + s16[2 * b + 1]);
 }
 
 /* ---------- one weight row against M <= 4 activation rows ---------- */
 
 #define GG_TILE 4
+#define GG_PANEL_ROWS 8 /* activation rows from which a call takes the panel path (where built) */
 #define GG_PREFETCH_BYTES 2048 /* how far ahead of the group in hand its row is prefetched */
 
 #if defined(PL_AVX512) || defined(PL_AVX2)
@@ -324,15 +332,6 @@ static void gg_quantize(const void *x, int bf16, int64_t r, int64_t k, const gg_
 #define GG_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 #else
 #define GG_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
-#endif
-/* The K types whose sub-block scales multiply in as vpmaddwd's int16 operand: their blocks' int32
- * sums add up over the super-block (whose activation scale is one), and one float scaling per
- * super-block follows. Q6_K on every build; Q4_K and Q5_K where vpdpbusd is not there to take
- * the products in one instruction (then scaled per block in float, as the legacy types are). */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define GG_INT_SCALED(type) ((type) == GG_Q6_K)
-#else
-#define GG_INT_SCALED(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
 #endif
 
 INLINE float gg_hsum(__m256 a) {
@@ -419,124 +418,348 @@ INLINE __m256i gg_quants(const int type, const uint8_t *grp, int b) {
     }
 }
 
-/* One group (256 values; nb < 8 blocks for a legacy row's short last group) of a weight row
- * against M activation rows (their group's int8 values at xq, kq apart; block scales at xd and
- * d * sums at xds, nb8 apart; 16-value sums at xs16, 2 nb8 apart). D = each block's weight scale, S[r] = D * the row's block scales (stored, then
- * broadcast per block), and the offset/min term Mn * the row's ds (Q6_K: its 16-value scales
- * times the row's 16-value sums, times -32 d xd). Per block: the int32 lanes of its 32
- * products, converted and multiplied by S[r][b] into acc[2 r + b % 2]. */
-INLINE void gg_group(const int type, const int M, const uint8_t *grp, int64_t gbytes, const int nb,
-                     const int8_t *xq, int64_t kq, const float *xd, const float *xds, const int16_t *xs16, int64_t nb8,
-                     __m256 *acc) {
-    float S[GG_TILE * 8];
-    /* The weight stream runs ahead in software too: ~15% more of the bandwidth one thread gets
-     * (11-12 GB/s without on an AVX2 EPYC, up to ~14 with), as a row is one sequential stream
-     * that the hardware prefetchers alone follow too late. */
-    for (int64_t off = 0; nb == 8 && off < gbytes; off += 64)
-        _mm_prefetch((const char *)grp + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
-    __m256 D, Mn = _mm256_setzero_ps();
-    __m128i sc6 = _mm_setzero_si128();
-    __m256i sc16 = _mm256_setzero_si256(); /* Q4_K / Q5_K sub-block scales as int16, in both halves */
-    float dsup = 0.0f;     /* a K super-block's own scale */
-    switch (type) {
-        case GG_Q4_0: D = gg_halves8(grp, 18, nb), Mn = _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)); break;
-        case GG_Q5_0: D = gg_halves8(grp, 22, nb), Mn = _mm256_mul_ps(D, _mm256_set1_ps(-16.0f)); break;
-        case GG_Q4_1: D = gg_halves8(grp, 20, nb), Mn = gg_halves8(grp + 2, 20, nb); break;
-        case GG_Q5_1: D = gg_halves8(grp, 24, nb), Mn = gg_halves8(grp + 2, 24, nb); break;
-        case GG_Q8_0: D = gg_halves8(grp, 34, nb); break;
-        case GG_Q4_K: case GG_Q5_K: {
-            __m128i scmn = gg_k_scales_vec(grp + 4);
-            sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
-            dsup = gg_half(grp);
-            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scmn));
-            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
-            __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gg_u32(grp)))); /* d, dmin */
-            D = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_setzero_si256()), sc);
-            Mn = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(1)), mn);
-            Mn = _mm256_xor_ps(Mn, _mm256_set1_ps(-0.0f)); /* -(dmin mn), as gguf-py subtracts it */
-            break;
-        }
-        default: /* GG_Q6_K */
-            dsup = gg_half(grp + 208);
-            D = _mm256_set1_ps(dsup);
-            Mn = _mm256_mul_ps(D, _mm256_set1_ps(-32.0f));
-            sc6 = _mm_loadu_si128((const __m128i *)(grp + 192));
-            break;
-    }
-    for (int r = 0; r < M; r++) {
-        __m256 xdv = _mm256_loadu_ps(xd + r * nb8);
-        _mm256_storeu_ps(S + 8 * r, _mm256_mul_ps(D, xdv));
-        if (type == GG_Q6_K) {
-            __m256i xs = _mm256_loadu_si256((const __m256i *)(xs16 + r * 2 * nb8));
-            __m256i o = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc6), xs); /* block b: sc . its two 16-value sums */
-            acc[2 * r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(Mn, xdv), acc[2 * r]);
-        } else if (type != GG_Q8_0) {
-            acc[2 * r] = _mm256_fmadd_ps(Mn, _mm256_loadu_ps(xds + r * nb8), acc[2 * r]);
-        }
-    }
-    __m256i iacc[GG_TILE];
-    for (int r = 0; r < M; r++) iacc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int b = 0; b < 8; b++) {
-        if (b >= nb) continue; /* only in a short group: a whole one has nb = 8, a constant */
-        __m256i w = gg_quants(type, grp, b), wabs = w, scv = w;
-        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
-        if (type == GG_Q6_K) { /* sc[2b] for values 0-15, sc[2b+1] for 16-31, as int16 */
-            const __m128i two = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-            __m128i pick = _mm_add_epi8(two, _mm_set1_epi8((char)(2 * b)));
-            scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc6, pick));
-        } else if (GG_INT_SCALED(type)) { /* int16 lane b everywhere (a shuffle: no store and reload) */
-            scv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * b)));
-        }
-        if (GG_INT_SCALED(type)) {
-            for (int r = 0; r < M; r++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * kq + 32 * b));
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), scv));
-            }
-            continue;
-        }
-        for (int r = 0; r < M; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * kq + 32 * b)), p;
-            if (type == GG_Q8_0) p = GG_DOT(wabs, _mm256_sign_epi8(xv, w));
-            else if (type == GG_Q6_K) p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), scv);
-            else p = GG_DOT(w, xv);
-            __m256 *ac = &acc[2 * r + b % 2];
-            *ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(S + 8 * r + b), *ac);
-        }
-    }
-    if (GG_INT_SCALED(type)) /* one activation scale per super-block: xd's 8 entries are equal */
-        for (int r = 0; r < M; r++)
-            acc[2 * r + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(dsup * xd[r * nb8]),
-                                             acc[2 * r + 1]);
+/* Integer sums of 8 vectors, vector j's in lane j (exact, whatever the order). */
+INLINE __m256i gg_reduce8(const __m256i *v) {
+    __m256i p[4];
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    __m256i lo = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]), _mm256_unpackhi_epi64(p[0], p[1]));
+    __m256i hi = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]), _mm256_unpackhi_epi64(p[2], p[3]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
-/* out[r] = activation row r0 + r . W row, for r < M. Two accumulators a row, for its even and
- * odd blocks (the min terms go into the first): two chains of dependent FMAs, so that one row
- * alone is not bound by their latency, and 4 rows' 8 accumulators, a decoded block and the
- * constants still fit the 16 registers. out = the sum of their lanes. A legacy row whose
- * blocks do not fill its last group runs it as a short group (reading nothing past the row). */
+/* The 8 int16 block sums at p as int32 */
+INLINE __m256i gg_sums8(const int16_t *p) { return _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+#define GG_OFFSET(type) ((type) == GG_Q4_0 ? 8 : (type) == GG_Q5_0 ? 16 : 0) /* the quants' offset */
+#define GG_HAS_MIN(type) ((type) == GG_Q4_1 || (type) == GG_Q5_1 || (type) == GG_Q4_K || (type) == GG_Q5_K)
+#define GG_KQUANT(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
+
+/* A legacy group (nb <= 8 blocks of 32) of a weight row against M activation rows: per row, the
+ * blocks' exact integer sums I[b] (the offset taken off as off * the block's activation sum),
+ * then acc[b] += float(I[b]) * (d[b] * xd[b]) (+ float(sum[b]) * (m[b] * xd[b]) for a min). */
+INLINE void gg_legacy_group(const int type, const int M, const uint8_t *grp, int64_t gbytes, const int nb,
+                            const gg_act *a, int64_t r0, int64_t g, __m256 *acc) {
+    const int64_t bytes32 = gbytes / 8;
+    for (int64_t off = 0; nb == 8 && off < gbytes; off += 64)
+        _mm_prefetch((const char *)grp + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
+    __m256i dots[GG_TILE][8];
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; b++) {
+        if (b >= nb) { /* a short group's missing blocks: nothing (their lanes add zeros) */
+            for (int r = 0; r < M; r++) dots[r][b] = _mm256_setzero_si256();
+            continue;
+        }
+        __m256i w = gg_quants(type, grp, b), wabs = w;
+        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
+        for (int r = 0; r < M; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->kq + 256 * g + 32 * b));
+            dots[r][b] = type == GG_Q8_0 ? GG_DOT(wabs, _mm256_sign_epi8(xv, w)) : GG_DOT(w, xv);
+        }
+    }
+    __m256 D = gg_halves8(grp, bytes32, nb), Mw = _mm256_setzero_ps();
+    if (GG_HAS_MIN(type)) Mw = gg_halves8(grp + 2, bytes32, nb);
+    for (int r = 0; r < M; r++) {
+        __m256i I = gg_reduce8(dots[r]), sums = gg_sums8(a->b32 + (r0 + r) * a->nb8 + 8 * g);
+        if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_mullo_epi32(sums, _mm256_set1_epi32(GG_OFFSET(type))));
+        __m256 xd = _mm256_loadu_ps(a->d + (r0 + r) * a->nb8 + 8 * g);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xd), acc[r]);
+        if (GG_HAS_MIN(type)) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(Mw, xd), acc[r]);
+    }
+}
+
+/* A K super-block of a weight row against M activation rows: the integer sum of its sub-blocks,
+ * each sub-block's scale as vpmaddwd's operand, into I[r] (Q6_K's offset, 32 * its scales times
+ * the activations' 16-value sums, taken off), and for Q4_K / Q5_K the mins times the activations'
+ * 32-value sums into Imin[r]; *d and *dmin the super-block's scales (dmin negated). Lanes: not yet
+ * summed (gg_reduce8 sums them, 8 super-blocks at once). */
+INLINE void gg_k_group(const int type, const int M, const uint8_t *grp, int64_t gbytes, const gg_act *a, int64_t r0,
+                       int64_t g, __m256i *I, __m256i *Imin, float *d, float *dmin) {
+    for (int64_t off = 0; off < gbytes; off += 64)
+        _mm_prefetch((const char *)grp + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
+    __m128i sc6 = _mm_setzero_si128(), scmn = _mm_setzero_si128();
+    __m256i sc16 = _mm256_setzero_si256(); /* Q4_K / Q5_K sub-block scales as int16, in both halves */
+    if (type == GG_Q6_K) {
+        sc6 = _mm_loadu_si128((const __m128i *)(grp + 192));
+        *d = gg_half(grp + 208);
+    } else {
+        scmn = gg_k_scales_vec(grp + 4);
+        sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
+        *d = gg_half(grp), *dmin = -gg_half(grp + 2);
+    }
+    for (int r = 0; r < M; r++) I[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; b++) {
+        __m256i w = gg_quants(type, grp, b), scv;
+        if (type == GG_Q6_K) { /* sc[2b] for values 0-15, sc[2b+1] for 16-31, as int16 */
+            const __m128i two = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc6, _mm_add_epi8(two, _mm_set1_epi8((char)(2 * b)))));
+        } else { /* int16 lane b everywhere (a shuffle: no store and reload) */
+            scv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * b)));
+        }
+        for (int r = 0; r < M; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->kq + 256 * g + 32 * b));
+            I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), scv));
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        if (type == GG_Q6_K) { /* lane b: sc[2b] s16[2b] + sc[2b+1] s16[2b+1] */
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g));
+            I[r] = _mm256_sub_epi32(I[r], _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc6), xs), 5));
+        } else {
+            Imin[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)),
+                                         gg_sums8(a->b32 + (r0 + r) * a->nb8 + 8 * g));
+        }
+    }
+}
+
+/* out[r] = activation row r0 + r . W row, for r < M. The float arithmetic is a fixed function of
+ * the row's integer sums: per unit u (a legacy block, or a K super-block) an exact int32 sum, and
+ * lane u % 8 of acc takes float(sum) * (weight scale * activation scale) (and the min's term);
+ * out = the lanes added in gg_hsum's order. gg_panel (many rows at once) takes the same
+ * operations per (row, output), so a row's result does not depend on the batch it is in. */
 INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act *a, int64_t r0, int64_t nblk,
                    float *out) {
-    const int kquant = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K;
     const int64_t bytes32 = type == GG_Q4_0   ? 18
                             : type == GG_Q4_1 ? 20
                             : type == GG_Q5_0 ? 22
                             : type == GG_Q5_1 ? 24
                                               : 34; /* a legacy block */
     const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
-    __m256 acc[2 * GG_TILE];
-    for (int r = 0; r < 2 * M; r++) acc[r] = _mm256_setzero_ps();
-    const int8_t *xq = a->q + r0 * a->kq;
-    const float *xd = a->d + r0 * a->nb8, *xds = a->ds + r0 * a->nb8;
-    const int16_t *xs16 = a->s16 + r0 * 2 * a->nb8;
-    int64_t g = 0;
-    for (; g < nblk / 8; g++)
-        gg_group(type, M, row + g * gbytes, gbytes, 8, xq + 256 * g, a->kq, xd + 8 * g, xds + 8 * g, xs16 + 16 * g,
-                 a->nb8, acc);
-    if (!kquant && g * 8 < nblk) /* the activations' padding past the row is zeros (and its scales) */
-        gg_group(type, M, row + g * gbytes, gbytes, (int)(nblk - 8 * g), xq + 256 * g, a->kq, xd + 8 * g, xds + 8 * g,
-                 xs16 + 16 * g, a->nb8, acc);
-    for (int r = 0; r < M; r++) out[r] = gg_hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+    __m256 acc[GG_TILE];
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    if (!GG_KQUANT(type)) {
+        for (int64_t g = 0; 8 * g < nblk; g++)
+            gg_legacy_group(type, M, row + g * gbytes, gbytes, nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8, a, r0, g,
+                            acc);
+    } else {
+        const int64_t groups = nblk / 8;
+        for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+            __m256i I[GG_TILE][8], Imin[GG_TILE][8];
+            float d[8], dmin[8], xd[GG_TILE][8];
+            int cnt = groups - g0 < 8 ? (int)(groups - g0) : 8;
+            for (int j = 0; j < 8; j++) {
+                if (j >= cnt) { /* past the row: zeros, which add nothing */
+                    d[j] = dmin[j] = 0.0f;
+                    for (int r = 0; r < M; r++) I[r][j] = Imin[r][j] = _mm256_setzero_si256(), xd[r][j] = 0.0f;
+                    continue;
+                }
+                __m256i Ij[GG_TILE], Imj[GG_TILE];
+                gg_k_group(type, M, row + (g0 + j) * gbytes, gbytes, a, r0, g0 + j, Ij, Imj, &d[j], &dmin[j]);
+                for (int r = 0; r < M; r++) {
+                    I[r][j] = Ij[r], Imin[r][j] = type == GG_Q6_K ? _mm256_setzero_si256() : Imj[r];
+                    xd[r][j] = a->d[(r0 + r) * a->nb8 + 8 * (g0 + j)];
+                }
+            }
+            __m256 D = _mm256_loadu_ps(d), Dmin = _mm256_loadu_ps(dmin);
+            for (int r = 0; r < M; r++) {
+                __m256 xdv = _mm256_loadu_ps(xd[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(I[r])), _mm256_mul_ps(D, xdv), acc[r]);
+                if (type != GG_Q6_K)
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(Imin[r])), _mm256_mul_ps(Dmin, xdv), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = gg_hsum(acc[r]);
+}
+
+/* ---------- many activation rows: weight panels decoded once, then integer GEMM tiles ----------
+ * From GG_PANEL_ROWS activation rows on, a thread takes 8 weight rows (a panel) at a time,
+ * decodes their quants once into bytes interleaved 4 values a row (8 rows x 4 values = one
+ * vector: "a step"), with their scales laid out as vectors over the 8 rows, and then runs every
+ * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
+ * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
+ * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. Decoding costs once per panel
+ * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
+ * The per-unit integer sums are gg_row's, and so are the float operations on them. */
+#define GG_NR 8                 /* weight rows in a panel */
+#define GG_SLOT_Q 2048          /* a panel's group: quants, 64 steps x 32 bytes */
+#define GG_SLOT_SC 512          /* int16 scale pairs by span unit: up to 16 x 16 lanes */
+#define GG_SLOT_PAIR 256        /* int16 pairs for the mins / Q6_K's offset: 8 x 16 lanes */
+#define GG_SLOT_F 512           /* float scales by unit (legacy: 8 blocks x 8 rows; then the mins) */
+#define GG_SLOT (GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR + GG_SLOT_F)
+
+/* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
+INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* Weight rows w[0 .. cols) (cols <= 8; the rest zeros) into the panel: per group a slot of
+ * GG_SLOT bytes. rowbuf: 8 x kq bytes, each row's quants decoded in order first (one sequential
+ * stream a row), then transposed into steps. */
+static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, int cols, int64_t nblk, int64_t kq,
+                           uint8_t *panel, uint8_t *rowbuf) {
+    const int64_t bytes32 = type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q5_0 ? 22 : type == GG_Q5_1 ? 24 : 34;
+    const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
+    const int64_t groups = (nblk + 7) / 8;
+    memset(panel, 0, (size_t)(groups * GG_SLOT));
+    for (int c = 0; c < GG_NR; c++) {
+        uint8_t *dst = rowbuf + c * kq;
+        if (c >= cols) {
+            memset(dst, 0, (size_t)kq);
+            continue;
+        }
+        const uint8_t *row = w + c * row_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *grp = row + g * gbytes;
+            uint8_t *slot = panel + g * GG_SLOT;
+            int16_t *sc = (int16_t *)(slot + GG_SLOT_Q), *pair = (int16_t *)(slot + GG_SLOT_Q + GG_SLOT_SC);
+            float *f = (float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
+            for (int b = 0; b < nb; b++)
+                _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), gg_quants(type, grp, b));
+            for (int b = nb; b < 8; b++) _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), _mm256_setzero_si256());
+            if (type == GG_Q6_K) {
+                const int8_t *s = (const int8_t *)(grp + 192);
+                for (int u = 0; u < 16; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = s[u];
+                for (int i = 0; i < 8; i++) pair[16 * i + 2 * c] = s[2 * i], pair[16 * i + 2 * c + 1] = s[2 * i + 1];
+                f[c] = gg_half(grp + 208);
+            } else if (GG_KQUANT(type)) {
+                uint32_t v[4];
+                uint8_t scs[8], mns[8];
+                gg_k_scales(grp + 4, &v[0], &v[1], &v[2], &v[3]);
+                memcpy(scs, &v[0], 4), memcpy(scs + 4, &v[1], 4), memcpy(mns, &v[2], 4), memcpy(mns + 4, &v[3], 4);
+                for (int u = 0; u < 8; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = scs[u];
+                for (int i = 0; i < 4; i++) pair[16 * i + 2 * c] = mns[2 * i], pair[16 * i + 2 * c + 1] = mns[2 * i + 1];
+                f[c] = gg_half(grp), f[8 + c] = -gg_half(grp + 2);
+            } else {
+                for (int b = 0; b < nb; b++) {
+                    f[8 * b + c] = gg_half(grp + b * bytes32);
+                    if (GG_HAS_MIN(type)) f[64 + 8 * b + c] = gg_half(grp + b * bytes32 + 2);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int b = 0; b < 8; b++) {
+            __m256i in[8], out[8];
+            for (int c = 0; c < GG_NR; c++) in[c] = _mm256_loadu_si256((const __m256i *)(rowbuf + c * kq + 256 * g + 32 * b));
+            gg_transpose8(in, out);
+            for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(panel + g * GG_SLOT + 256 * b + 32 * s), out[s]);
+        }
+}
+
+/* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
+ * into the int16 sums s16[r] (or, for Q8_0, straight into the int32 sums i32[r]) */
+INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
+                           __m256i *s16, __m256i *i32) {
+#pragma GCC unroll 2
+    for (int t = t0; t < t0 + n; t++) {
+        __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * t)), wabs = w;
+        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
+        for (int r = 0; r < M; r++) {
+            int32_t x4;
+            memcpy(&x4, xq[r] + 4 * t, 4);
+            __m256i xb = _mm256_set1_epi32(x4);
+            if (type == GG_Q8_0) i32[r] = _mm256_add_epi32(i32[r], GG_DOT(wabs, _mm256_sign_epi8(xb, w)));
+            else s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, xb));
+        }
+    }
+}
+
+/* M activation rows (r0 ..) against a decoded panel: A[8 r + lane] are the rows' float
+ * accumulators, lanes the panel's 8 outputs, indexed by unit % 8 as gg_row's lanes are. */
+INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, const gg_act *a, int64_t r0,
+                          int64_t nblk, __m256 *A) {
+    const int span = type == GG_Q6_K ? 2 : (type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q5_K) ? 4 : 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 32 /* stores, not a rep stos: its start-up is most of a short row's tile */
+    for (int i = 0; i < 8 * M; i++) A[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; 8 * g < nblk; g++) {
+        const uint8_t *slot = panel + g * GG_SLOT;
+        const __m256i *sc = (const __m256i *)(slot + GG_SLOT_Q), *pair = (const __m256i *)(slot + GG_SLOT_Q + GG_SLOT_SC);
+        const float *f = (const float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+        const int8_t *xq[GG_TILE];
+        const float *xd[GG_TILE];
+        const int16_t *b32[GG_TILE];
+        for (int r = 0; r < M; r++) {
+            xq[r] = a->q + (r0 + r) * a->kq + 256 * g;
+            xd[r] = a->d + (r0 + r) * a->nb8 + 8 * g;
+            b32[r] = a->b32 + (r0 + r) * a->nb8 + 8 * g;
+        }
+        __m256i s16[GG_TILE], i32[GG_TILE];
+        if (!GG_KQUANT(type)) {
+            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
+            for (int b = 0; b < nb; b++) {
+                for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+                for (int t = 8 * b; t < 8 * b + 8; t += span) {
+                    for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+                    gg_panel_steps(type, M, slot, xq, t, type == GG_Q8_0 ? 8 : span, s16, i32);
+                    if (type == GG_Q8_0) break;
+                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
+                }
+                __m256 D = _mm256_load_ps(f + 8 * b);
+                for (int r = 0; r < M; r++) {
+                    int32_t bs = b32[r][b];
+                    __m256i I = i32[r];
+                    if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_set1_epi32(GG_OFFSET(type) * bs));
+                    __m256 xdv = _mm256_set1_ps(xd[r][b]);
+                    A[8 * r + b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + b]);
+                    if (GG_HAS_MIN(type))
+                        A[8 * r + b] = _mm256_fmadd_ps(_mm256_set1_ps((float)bs),
+                                                       _mm256_mul_ps(_mm256_load_ps(f + 64 + 8 * b), xdv), A[8 * r + b]);
+                }
+            }
+            continue;
+        }
+        const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
+        for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int t = 0; t < 64; t += span) {
+            for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+            gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+            __m256i scv = _mm256_load_si256(sc + t / unit);
+            for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
+        }
+        __m256 D = _mm256_load_ps(f);
+        for (int r = 0; r < M; r++) {
+            __m256 xdv = _mm256_set1_ps(xd[r][0]);
+            __m256i I = i32[r];
+            if (type == GG_Q6_K) { /* 32 * sum of sc[u] * the activations' 16-value sums */
+                const int16_t *x16 = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
+                __m256i o = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    int32_t p;
+                    memcpy(&p, x16 + 2 * i, 4);
+                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+                }
+                I = _mm256_sub_epi32(I, _mm256_slli_epi32(o, 5));
+            }
+            A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + g % 8]);
+            if (type != GG_Q6_K) {
+                __m256i mn = _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    int32_t p;
+                    memcpy(&p, b32[r] + 2 * i, 4);
+                    mn = _mm256_add_epi32(mn, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+                }
+                A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(_mm256_load_ps(f + 8), xdv),
+                                                   A[8 * r + g % 8]);
+            }
+        }
+    }
+}
+
+/* A's 8 accumulators of row r added as gg_hsum adds a vector's lanes: one output per lane */
+INLINE __m256 gg_panel_sum(const __m256 *A) {
+    __m256 s0 = _mm256_add_ps(A[0], A[4]), s1 = _mm256_add_ps(A[1], A[5]);
+    __m256 s2 = _mm256_add_ps(A[2], A[6]), s3 = _mm256_add_ps(A[3], A[7]);
+    return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
 }
 #else
 /* Portable C: each block decoded to integers once (gg_decode32) and met by every row */
@@ -560,36 +783,62 @@ INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act
 }
 #endif
 
-/* The row functions, one per (type, M): the type and the row count constant in each. */
+/* The kernels, one per (type, M): the type and the row count constant in each. A type's set: its
+ * row functions (gg_row), its panel tiles (gg_panel_tile, where built) and its panel builder. */
 typedef void (*gg_row_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, float *);
+#if defined(PL_AVX512) || defined(PL_AVX2)
+#define GG_PANELS 1
+typedef void (*gg_tile_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, __m256 *);
+typedef void (*gg_build_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, uint8_t *, uint8_t *);
+#define GG_TILE_FN(name, T, M)                                                                      \
+    static void name##_tile_##M(const uint8_t *p, const gg_act *a, int64_t r0, int64_t nb, __m256 *A) { \
+        gg_panel_tile(T, M, p, a, r0, nb, A);                                                       \
+    }
+#define GG_PANEL_FNS(name, T)                                                                                 \
+    GG_TILE_FN(name, T, 1) GG_TILE_FN(name, T, 2) GG_TILE_FN(name, T, 3) GG_TILE_FN(name, T, 4)               \
+    static void name##_build(const uint8_t *w, int64_t rb, int cols, int64_t nblk, int64_t kq, uint8_t *p, \
+                             uint8_t *buf) {                                                                  \
+        gg_panel_build(T, w, rb, cols, nblk, kq, p, buf);                                                     \
+    }
+#define GG_PANEL_SET(name) , {name##_tile_1, name##_tile_2, name##_tile_3, name##_tile_4}, name##_build
+#else
+#define GG_PANELS 0
+#define GG_PANEL_FNS(name, T)
+#define GG_PANEL_SET(name)
+#endif
+typedef struct {
+    gg_row_fn row[GG_TILE];
+#if GG_PANELS
+    gg_tile_fn tile[GG_TILE];
+    gg_build_fn build;
+#endif
+} gg_kernels;
 #define GG_ROW_FN(name, T, M)                                                                \
     static void name##_##M(const uint8_t *w, const gg_act *a, int64_t r0, int64_t nb, float *o) { \
         gg_row(T, M, w, a, r0, nb, o);                                                       \
     }
-#define GG_ROW_FNS(name, T) GG_ROW_FN(name, T, 1) GG_ROW_FN(name, T, 2) GG_ROW_FN(name, T, 3) GG_ROW_FN(name, T, 4)
-GG_ROW_FNS(gg_q4_0, GG_Q4_0)
-GG_ROW_FNS(gg_q4_1, GG_Q4_1)
-GG_ROW_FNS(gg_q5_0, GG_Q5_0)
-GG_ROW_FNS(gg_q5_1, GG_Q5_1)
-GG_ROW_FNS(gg_q8_0, GG_Q8_0)
-GG_ROW_FNS(gg_q4_k, GG_Q4_K)
-GG_ROW_FNS(gg_q5_k, GG_Q5_K)
-GG_ROW_FNS(gg_q6_k, GG_Q6_K)
-#define GG_FNS(name) {name##_1, name##_2, name##_3, name##_4}
+#define GG_FNS(name, T)                                                                                \
+    GG_ROW_FN(name, T, 1) GG_ROW_FN(name, T, 2) GG_ROW_FN(name, T, 3) GG_ROW_FN(name, T, 4) GG_PANEL_FNS(name, T) \
+    static const gg_kernels name##_kernels = {{name##_1, name##_2, name##_3, name##_4} GG_PANEL_SET(name)};
+GG_FNS(gg_q4_0, GG_Q4_0)
+GG_FNS(gg_q4_1, GG_Q4_1)
+GG_FNS(gg_q5_0, GG_Q5_0)
+GG_FNS(gg_q5_1, GG_Q5_1)
+GG_FNS(gg_q8_0, GG_Q8_0)
+GG_FNS(gg_q4_k, GG_Q4_K)
+GG_FNS(gg_q5_k, GG_Q5_K)
+GG_FNS(gg_q6_k, GG_Q6_K)
 
-static const gg_row_fn *gg_row_fns(int type) {
-    static const gg_row_fn q4_0[4] = GG_FNS(gg_q4_0), q4_1[4] = GG_FNS(gg_q4_1), q5_0[4] = GG_FNS(gg_q5_0),
-                           q5_1[4] = GG_FNS(gg_q5_1), q8_0[4] = GG_FNS(gg_q8_0), q4_k[4] = GG_FNS(gg_q4_k),
-                           q5_k[4] = GG_FNS(gg_q5_k), q6_k[4] = GG_FNS(gg_q6_k);
+static const gg_kernels *gg_kernels_of(int type) {
     switch (type) {
-        case GG_Q4_0: return q4_0;
-        case GG_Q4_1: return q4_1;
-        case GG_Q5_0: return q5_0;
-        case GG_Q5_1: return q5_1;
-        case GG_Q8_0: return q8_0;
-        case GG_Q4_K: return q4_k;
-        case GG_Q5_K: return q5_k;
-        case GG_Q6_K: return q6_k;
+        case GG_Q4_0: return &gg_q4_0_kernels;
+        case GG_Q4_1: return &gg_q4_1_kernels;
+        case GG_Q5_0: return &gg_q5_0_kernels;
+        case GG_Q5_1: return &gg_q5_1_kernels;
+        case GG_Q8_0: return &gg_q8_0_kernels;
+        case GG_Q4_K: return &gg_q4_k_kernels;
+        case GG_Q5_K: return &gg_q5_k_kernels;
+        case GG_Q6_K: return &gg_q6_k_kernels;
         default: return NULL;
     }
 }
@@ -621,6 +870,47 @@ static void gg_float_linear(int type, const uint8_t *w, int64_t row_bytes, int64
 #define GG_WEIGHT_BLOCK 16                 /* weight rows a thread takes at a time */
 #define GG_ACT_BYTES ((int64_t)256 * 1024) /* activation rows per pass over W: about this much int8 (L2) */
 
+#if GG_PANELS
+/* A thread's panel scratch, kept from call to call (OpenMP's threads persist): a fresh ~100 KB
+ * buffer a call would come from mmap, page faults and all. */
+static __thread uint8_t *gg_scratch;
+static __thread size_t gg_scratch_bytes;
+
+static uint8_t *gg_panel_scratch(size_t bytes) {
+    if (bytes > gg_scratch_bytes) {
+        free(gg_scratch);
+        gg_scratch_bytes = (bytes + 4095) / 4096 * 4096;
+        gg_scratch = aligned_alloc(64, gg_scratch_bytes);
+    }
+    return gg_scratch;
+}
+
+/* Threads take panels of 8 weight rows; each panel meets every activation row, 4 at a time. */
+static void gg_panels(const gg_kernels *kern, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk,
+                      const gg_act *a, int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
+    int64_t groups = (nblk + 7) / 8;
+    uint8_t *panel = gg_panel_scratch((size_t)(groups * GG_SLOT + GG_NR * a->kq));
+    uint8_t *rowbuf = panel + groups * GG_SLOT;
+    __m256 A[8 * GG_TILE];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < (n + GG_NR - 1) / GG_NR; p++) {
+        int64_t j0 = p * GG_NR;
+        int cols = n - j0 < GG_NR ? (int)(n - j0) : GG_NR;
+        kern->build(w + j0 * row_bytes, row_bytes, cols, nblk, a->kq, panel, rowbuf);
+        float b[GG_NR] = {0}, out[GG_NR];
+        for (int c = 0; bias && c < cols; c++) b[c] = load1(bias, y_bf16, j0 + c);
+        for (int64_t r0 = 0; r0 < m; r0 += GG_TILE) {
+            int M = m - r0 < GG_TILE ? (int)(m - r0) : GG_TILE;
+            kern->tile[M - 1](panel, a, r0, nblk, A);
+            for (int r = 0; r < M; r++) {
+                _mm256_storeu_ps(out, gg_panel_sum(A + 8 * r));
+                for (int c = 0; c < cols; c++) store1(y, y_bf16, (r0 + r) * ldy + j0 + c, out[c] + b[c]);
+            }
+        }
+    }
+}
+#endif
+
 void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy, int nthreads) {
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
@@ -628,22 +918,25 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;
     }
-    const gg_row_fn *fns = gg_row_fns(type);
-    if (!fns) return;
+    const gg_kernels *kern = gg_kernels_of(type);
+    if (!kern) return;
     int64_t nblk = k / 32, nb8 = (nblk + 7) / 8 * 8;
     int kquant = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K;
     gg_act a = {.kq = nb8 * 32, .nb8 = nb8, .group = kquant ? 256 : 32};
+    size_t fbytes = (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64);
     a.q = aligned_alloc(64, (size_t)(m * a.kq));
-    a.d = aligned_alloc(64, (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64));
-    a.ds = aligned_alloc(64, (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64));
+    a.d = aligned_alloc(64, fbytes);
+    a.ds = aligned_alloc(64, fbytes);
     a.s16 = aligned_alloc(64, (size_t)((m * nb8 * 2 * sizeof(int16_t) + 63) / 64 * 64));
+    a.b32 = aligned_alloc(64, (size_t)((m * nb8 * sizeof(int16_t) + 63) / 64 * 64));
     int64_t pass = GG_ACT_BYTES / a.kq / GG_TILE * GG_TILE;
     if (pass < GG_TILE) pass = GG_TILE;
     int64_t wblocks = (n + GG_WEIGHT_BLOCK - 1) / GG_WEIGHT_BLOCK;
+    int panels = GG_PANELS && m >= GG_PANEL_ROWS;
     /* One parallel region for the call (on a shared machine every fork and join waits for
      * whichever thread another process holds): the activations quantized (a few rows, before
      * it), one barrier, then a pass over W per block of activation rows, with no barrier
-     * between passes (each writes its own rows of y). */
+     * between passes (each writes its own rows of y); or, for many rows, the panels. */
     int quantize_in_region = m >= GG_TILE;
     if (!quantize_in_region)
         for (int64_t r = 0; r < m; r++) gg_quantize(x, x_bf16, r, k, &a);
@@ -653,7 +946,10 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) gg_quantize(x, x_bf16, r, k, &a);
         }
-        for (int64_t rb = 0; rb < m; rb += pass) {
+#if GG_PANELS
+        if (panels) gg_panels(kern, w, row_bytes, n, nblk, &a, m, bias, y, y_bf16, ldy);
+#endif
+        for (int64_t rb = 0; !panels && rb < m; rb += pass) {
             int64_t re = rb + pass < m ? rb + pass : m;
 #pragma omp for schedule(static) nowait
             for (int64_t wb = 0; wb < wblocks; wb++) {
@@ -662,7 +958,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int M = re - r0 < GG_TILE ? (int)(re - r0) : GG_TILE;
                     for (int64_t j = j0; j < j1; j++) {
                         float out[GG_TILE];
-                        fns[M - 1](w + j * row_bytes, &a, r0, nblk, out);
+                        kern->row[M - 1](w + j * row_bytes, &a, r0, nblk, out);
                         float b = bias ? load1(bias, y_bf16, j) : 0.0f;
                         for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * ldy + j, out[r] + b);
                     }
@@ -670,6 +966,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
             }
         }
     }
+    free(a.b32);
     free(a.s16);
     free(a.ds);
     free(a.d);

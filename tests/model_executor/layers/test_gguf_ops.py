@@ -88,20 +88,27 @@ def test_linear_matches_dequantized_matmul(qtype, k):
 
 @uses_kernels
 @pytest.mark.parametrize("qtype", QUANTIZED)
-def test_a_rows_result_does_not_depend_on_its_batch(qtype):
-    """Same bits for a row alone, in a batch of 5 and in a batch of 64 (every tile position)."""
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_a_rows_result_does_not_depend_on_its_batch(qtype, long_rows):
+    """Same bits for a row alone, in batches of 5 (a weight row at a time), 8 and 11 (panels, a
+    short last tile) and 64 (every tile position). Long rows: more than 8 units (9 super-blocks,
+    73 blocks), so the per-unit lanes wrap."""
     if not _kernels_built():
         pytest.skip("the torch fallback makes no such promise")
-    k = 512 if qtype >= 12 else 352  # legacy: 11 blocks, a whole group of 8 and a short one
-    raw = _weight(qtype, N + 3, k)  # an odd row count: a partial weight block
+    if long_rows:
+        k = 2304 if qtype >= 12 else 2336
+    else:
+        k = 512 if qtype >= 12 else 352  # legacy: 11 blocks, a whole group of 8 and a short one
+    raw = _weight(qtype, N + 3, k)  # an odd row count: a partial weight block and panel
     w = torch.from_numpy(raw)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     y64 = gguf_ops.gguf_linear(x, qtype, w, k)
     assert _rel(y64, x.double() @ _dequantized(qtype, raw, k).double().T) < 1e-2
     for i in (0, 1, 2, 3, 37, 63):
         assert torch.equal(gguf_ops.gguf_linear(x[i : i + 1], qtype, w, k), y64[i : i + 1]), i
-    for start in (0, 2, 59):
-        assert torch.equal(gguf_ops.gguf_linear(x[start : start + 5], qtype, w, k), y64[start : start + 5]), start
+    for start, size in ((0, 5), (2, 5), (59, 5), (0, 8), (50, 11)):
+        got = gguf_ops.gguf_linear(x[start : start + size], qtype, w, k)
+        assert torch.equal(got, y64[start : start + size]), (start, size)
 
 
 @uses_kernels
