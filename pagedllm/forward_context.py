@@ -68,6 +68,7 @@ class DecodeView:
 
 _current: AttentionMetadata | None = None
 _lora_mask: torch.Tensor | None = None
+_exact_logit_rows: torch.Tensor | None = None
 
 
 @contextmanager
@@ -89,3 +90,21 @@ def get_attention_metadata() -> AttentionMetadata | None:
 
 def get_lora_mask() -> torch.Tensor | None:
     return _lora_mask
+
+
+@contextmanager
+def exact_logit_rows(rows: torch.Tensor | None) -> Iterator[None]:
+    """`rows` of the logits computed inside: those whose log-softmax goes back to a user (logprobs,
+    prompt logprobs). An LM head that ranks the vocabulary on a copy (GGUFRankedHead) gives them
+    the weights' own logits for every token, so their normalizer is the model's, not the copy's
+    tail. None (or empty): no such rows."""
+    global _exact_logit_rows
+    prev, _exact_logit_rows = _exact_logit_rows, rows
+    try:
+        yield
+    finally:
+        _exact_logit_rows = prev
+
+
+def get_exact_logit_rows() -> torch.Tensor | None:
+    return _exact_logit_rows

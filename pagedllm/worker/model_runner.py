@@ -21,7 +21,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_group
-from pagedllm.forward_context import set_forward_context
+from pagedllm.forward_context import exact_logit_rows, set_forward_context
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
@@ -330,7 +330,9 @@ class ModelRunner:
                     rows += [replace(r, output_token_ids=r.output_token_ids + r.spec_token_ids[:j]) for j in range(n)]
                 else:  # nothing reads the history: no copies of it per draft row
                     rows += [r] * n
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
+        wants = [j for j, r in enumerate(rows) if r.sampling_params.logprobs is not None]
+        with exact_logit_rows(torch.tensor(wants, device=self.device) if wants else None):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
         md = self.sampling_metadata.build(rows)
         if grammar_output is not None:
             md.grammar_bitmask, md.grammar_rows = _grammar_rows(grammar_output, [reqs[i] for i in sample_idx], num_rows)
@@ -384,7 +386,8 @@ class ModelRunner:
         num_prompt = len(r.prompt_token_ids)
         n = min(len(r.token_ids), num_prompt - 1 - r.start_pos)
         targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1 : r.start_pos + 1 + n], device=hidden.device)
-        logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
+        with exact_logit_rows(torch.arange(n, device=hidden.device)):
+            logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
         ids, vals, ranks = gather_logprobs(logprobs, r.sampling_params.prompt_logprobs, targets)
         return list(zip(ids.tolist(), vals.tolist(), ranks.tolist()))
 

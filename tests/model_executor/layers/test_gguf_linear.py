@@ -1,6 +1,7 @@
 """GGUFLinear's segments and GGUFRankedHead against the dequantized weights: segments of mixed
 types fill their columns of one output, and a ranked head gives each row's top candidates the
-blocks' own logits (the argmax and the top values exact), a copy's values only in the tail."""
+blocks' own logits (the argmax and the top values exact), a copy's values only in the tail, and
+rows whose logprobs go back to a user the blocks' logits throughout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from pagedllm.forward_context import exact_logit_rows  # noqa: E402
 from pagedllm.model_executor.layers import gguf_ops  # noqa: E402
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead  # noqa: E402
 from tests.model_executor.loader.hf_to_gguf import random_blocks  # noqa: E402
@@ -62,6 +64,31 @@ def test_ranked_head_keeps_the_top_candidates_exact(qtype) -> None:
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     top = exact.topk(4, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 6])  # the 4-bit copy's rows, and the W8A8 copy's
+def test_rows_whose_logprobs_are_returned_get_the_blocks_logits(rows) -> None:
+    vocab = 4096
+    head = _tensor(T.Q6_K, vocab, 4)
+    blocks = GGUFLinear(K, vocab, torch.float32)
+    blocks.add(0, head)
+    ranked = GGUFRankedHead.build(blocks, max_rows=4)
+    if ranked is None:
+        pytest.skip("no int4 kernels here")
+    hidden = torch.randn(rows, K)
+    plain = ranked(hidden)
+    with exact_logit_rows(torch.tensor([0, rows - 1])):
+        mixed = ranked(hidden)
+    exact = hidden @ head.dense.T
+    for r in (0, rows - 1):  # the blocks' logits (int8 activations) for the whole vocabulary
+        assert ((mixed[r] - exact[r]).norm() / exact[r].norm()) < 2e-2
+        assert ((mixed[r] - exact[r]).norm() < 0.5 * (plain[r] - exact[r]).norm())
+        assert mixed[r].argmax() == exact[r].argmax()
+        top = exact[r].topk(16).indices  # the top re-scored as before: the same values
+        torch.testing.assert_close(mixed[r, top], plain[r, top])
+    assert torch.equal(mixed[1 : rows - 1], plain[1 : rows - 1])  # the other rows as they were
+    with exact_logit_rows(None):
+        assert torch.equal(ranked(hidden), plain)
 
 
 def test_ranked_head_from_saved_copies_is_the_same() -> None:

@@ -108,7 +108,17 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
     llm = LLM(str(path), dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory=1 << 26)
     try:
         again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        # A sampled token's logprob is the file's: normalized over the blocks' logits for the
+        # whole vocabulary (rows asking for logprobs skip the ranking copies).
+        first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                             SamplingParams(max_tokens=1, temperature=0, logprobs=5, prompt_logprobs=5))
     finally:
         llm.llm_engine.shutdown()
     assert again == got
+    reference = _reference(out, 1)
+    worst = 0.0
+    for o, ref in zip(first, reference):
+        token = o.outputs[0].token_ids[0]
+        worst = max(worst, abs(o.outputs[0].logprobs[0][token].logprob - ref["logprobs"][0][token].item()))
+    assert worst < 0.05, worst
     assert sorted((out.parent.parent / "quantized").glob("*.safetensors")) == cached
