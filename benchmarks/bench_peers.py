@@ -77,12 +77,26 @@ def llama_batch1_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]
     return {"W2 ms/token": 1e3 / float(rows[0]["avg_ts"])}
 
 
-def pagedllm_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
+def w1_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
+    """W1 alone: 64 prompts of input_len tokens, 128 out each."""
     w1 = _run(["pagedllm", "bench", "throughput", "--num-prompts", "64", "--input-len", str(input_len),
                "--output-len", "128", *extra])
+    return {"W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1)}
+
+
+def llama_w1_runs(bin_dir: str, gguf: str, threads: int, input_len: int = 32) -> dict[str, float]:
+    out = _run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-t", str(threads),
+                "-c", str(64 * (input_len + 128)), "-npp", str(input_len), "-ntg", "128", "-npl", "64"])
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    row = next(line for line in out.splitlines() if re.match(rf"\|\s+{input_len}\s+\|\s+128\s+\|\s+64\s+\|", line))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return {"W1 output tok/s": 64 * 128 / float(cells[8])}
+
+
+def pagedllm_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
     long = _run(["pagedllm", "bench", "latency", "--input-len", "4096", "--output-len", "1", "--batch-size", "1",
                  "--num-iters", "1", *extra])
-    return {"W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1), **batch1_runs(extra),
+    return {**w1_runs(extra, input_len), **batch1_runs(extra),
             "prefill 4096 tok/s": 4096 / (_grab(r"TTFT: ([0-9.]+) ms", long) / 1e3)}
 
 
@@ -92,12 +106,7 @@ def llama_cpp_runs(bin_dir: str, gguf: str, threads: int, input_len: int = 32) -
         [bench, "-m", gguf, "-t", str(threads), "-p", "0,4096", "-n", "128,0", "-r", "3", "-o", "csv"]))))
     tg = next(float(r["avg_ts"]) for r in rows if r["n_gen"] == "128")
     pp = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == "4096")
-    out = _run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-t", str(threads),
-                "-c", str(64 * (input_len + 128)), "-npp", str(input_len), "-ntg", "128", "-npl", "64"])
-    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    row = next(line for line in out.splitlines() if re.match(rf"\|\s+{input_len}\s+\|\s+128\s+\|\s+64\s+\|", line))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    return {"W1 output tok/s": 64 * 128 / float(cells[8]), "W2 ms/token": 1e3 / tg, "prefill 4096 tok/s": pp}
+    return {**llama_w1_runs(bin_dir, gguf, threads, input_len), "W2 ms/token": 1e3 / tg, "prefill 4096 tok/s": pp}
 
 
 def _compare(gguf: str, workload: list[str], server_args: list[str], urls: list[str] = ()) -> dict[str, dict]:
@@ -183,8 +192,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=32, help="W1's prompt length (the issue's real sizes: 128)")
     parser.add_argument("--parts", default="offline,start,serve,prefix",
-                        help="comma-separated subset of offline (W1, W2, prefill, start-up), batch1 (W2 "
-                             "alone), start (server start-up, first and warm, and peak RSS), serve, prefix")
+                        help="comma-separated subset of offline (W1, W2, prefill, start-up), w1 (W1 alone), "
+                             "batch1 (W2 alone), start (server start-up, first and warm, and peak RSS), serve, prefix")
     parser.add_argument("pagedllm_args", nargs="*", help="extra arguments for every pagedllm command (after --)")
     args = parser.parse_args()
     if args.gguf is None:
@@ -204,6 +213,9 @@ def main() -> None:
         if "offline" in parts:
             mine |= pagedllm_runs(offline_args, args.input_len)
             theirs |= llama_cpp_runs(args.llama_cpp_bin, args.gguf, threads, args.input_len)
+        if "w1" in parts and "offline" not in parts:
+            mine |= w1_runs(offline_args, args.input_len)
+            theirs |= llama_w1_runs(args.llama_cpp_bin, args.gguf, threads, args.input_len)
         if "batch1" in parts and "offline" not in parts:
             mine |= batch1_runs(offline_args)
             theirs |= llama_batch1_runs(args.llama_cpp_bin, args.gguf, threads)

@@ -30,69 +30,14 @@
  * sequential stream each), each weight row decoded once per 4 activation rows (gg_row); rows go
  * in passes that fit L2. From GG_PANEL_ROWS activation rows on, threads take panels of 8 weight
  * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
- * meets (gg_panel_tile): a decoded step serves 8 outputs, and there is no horizontal sum.
+ * meets (gg_panel_tile, gguf_panel.c): a decoded step serves 8 outputs, no horizontal sums.
  *
  * Batch independence: both ways take the same float operations, in the same order, for every
  * (row, output): unit u's terms go into lane u % 8 of the row's accumulator, and the 8 lanes add
  * up in gg_hsum's order. A row's result does not depend on m or on where it falls in the batch
  * (the engine promises a request's output does not depend on its batch). The float
  * accumulation order is fixed per build; builds differ from each other. */
-#include "common.h"
-
-enum {
-    GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8,
-    GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30,
-};
-
-/* values per block: 32 (legacy), 256 (K super-blocks), 1 (float types), 0 (not supported) */
-static int gg_block_values(int type) {
-    switch (type) {
-        case GG_Q4_0: case GG_Q4_1: case GG_Q5_0: case GG_Q5_1: case GG_Q8_0: return 32;
-        case GG_Q4_K: case GG_Q5_K: case GG_Q6_K: return 256;
-        case GG_F32: case GG_F16: case GG_BF16: return 1;
-        default: return 0;
-    }
-}
-
-static int gg_quantized(int type) { return gg_block_values(type) > 1; }
-
-/* IEEE half to float, exact (subnormals, inf and NaN included): F16C where built with it, the
- * same values in plain C elsewhere */
-INLINE float gg_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, mant = h & 1023u, u;
-    if (e == 0) {
-        float f = (float)mant * 5.9604644775390625e-8f; /* mant * 2^-24, exact */
-        return sign ? -f : f;
-    }
-    u = e == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((e + 112u) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#endif
-}
-
-INLINE uint32_t gg_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* Q4_K / Q5_K: the 12 scale bytes hold 8 six-bit scales and 8 six-bit mins. Bytes 0-3: scales
- * 0-3 in bits 0-5, bits 6-7 the top of scales 4-7; bytes 4-7: mins 0-3, bits 6-7 the top of
- * mins 4-7; bytes 8-11: low nibble the bottom of scales 4-7, high nibble of mins 4-7. Worked
- * on 4 bytes at once: sc[0..3], sc[4..7], mn[0..3], mn[4..7] as little-endian words. */
-INLINE void gg_k_scales(const uint8_t *s12, uint32_t *sc_lo, uint32_t *sc_hi, uint32_t *mn_lo, uint32_t *mn_hi) {
-    uint32_t u0 = gg_u32(s12), u1 = gg_u32(s12 + 4), u2 = gg_u32(s12 + 8);
-    *sc_lo = u0 & 0x3F3F3F3Fu;
-    *mn_lo = u1 & 0x3F3F3F3Fu;
-    *sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u); /* a byte's bits 6-7 to bits 4-5 */
-    *mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
-}
+#include "gguf_blocks.h"
 
 /* ---------- one block of 32 values, in scalar C ----------
  * Layouts (offsets in bytes; f16 = IEEE half; 32 values a block, value i):
@@ -212,21 +157,7 @@ void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k
         gg_dequantize_row(type, w + (rows ? rows[i] : i) * row_bytes, k, out, out_bf16, i * ldo);
 }
 
-/* ---------- activations: int8 blocks of 32 ----------
- * Per row, padded to whole groups of 8 blocks (256 values) with zeros: q (int8), d (each
- * block's scale, max |x| / 127 over the block, or over its group of 8 for the K types, then
- * the same in all 8), ds (d * the block's sum of q, for the mins), s16 (the sums of each 16 q,
- * for Q6_K's offset under its 16-value scales). Values under a scale that include inf or NaN
- * get d = NaN and q = 0: every output of the row is then NaN, as its float product would not
- * be finite either; quantizing them would hide that. */
-typedef struct {
-    int8_t *q;
-    float *d, *ds;
-    int16_t *s16, *b32; /* 16-value and 32-value sums of q */
-    int64_t kq, nb8; /* per row: kq = groups * 256 values, nb8 = groups * 8 blocks */
-    int group;       /* values under one scale: 32, or 256 for the K types (d repeated per block) */
-} gg_act;
-
+/* ---------- activations: int8 blocks of 32 (gg_act, gguf_blocks.h) ---------- */
 #if defined(PL_AVX512) || defined(PL_AVX2)
 INLINE __m256 gg_load8(const void *x, int bf16, int64_t i) {
     if (bf16)
@@ -320,104 +251,7 @@ static void gg_quantize(const void *x, int bf16, int64_t r, int64_t k, const gg_
 
 /* ---------- one weight row against M <= 4 activation rows ---------- */
 
-#define GG_TILE 4
-#define GG_PANEL_ROWS 8 /* activation rows from which a call takes the panel path (where built) */
-#define GG_PREFETCH_BYTES 2048 /* how far ahead of the group in hand its row is prefetched */
-
-#if defined(PL_AVX512) || defined(PL_AVX2)
-/* 32 u8 x s8 products in 8 int32 lanes (each the sum of 4 neighbours) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define GG_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-#elif defined(__AVXVNNI__)
-#define GG_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
-#else
-#define GG_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
-#endif
-
-INLINE float gg_hsum(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* 16 bytes of nibbles as values 0-15 (low nibbles) then 16-31 (high), one byte each: the bytes
- * loaded into both halves, the upper half shifted by 4 */
-INLINE __m256i gg_nibbles16(const uint8_t *p) {
-    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
-}
-
-/* bit i of qh as 0x10 in byte i */
-INLINE __m256i gg_bits_to_16(uint32_t qh) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                            3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
-}
-
-/* The 8 f16 values at p, p + stride, ...: each loaded with the two bytes after it (still inside
- * its block) and merged in a tree of unpacks, not a serial chain of inserts. A short group (a
- * legacy row's last, nb < 8 blocks) reads only its own blocks; the rest are 0. */
-INLINE __m256 gg_halves8(const uint8_t *p, int64_t stride, const int nb) {
-    if (nb < 8) {
-        uint16_t h[8] = {0};
-        for (int i = 0; i < nb; i++) memcpy(&h[i], p + i * stride, 2);
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-    }
-    __m128i v[8];
-    for (int i = 0; i < 8; i++) v[i] = _mm_cvtsi32_si128((int)gg_u32(p + i * stride));
-    __m128i a = _mm_unpacklo_epi32(_mm_unpacklo_epi16(v[0], v[1]), _mm_unpacklo_epi16(v[2], v[3]));
-    __m128i b = _mm_unpacklo_epi32(_mm_unpacklo_epi16(v[4], v[5]), _mm_unpacklo_epi16(v[6], v[7]));
-    return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
-}
-
-/* gg_k_scales on vectors: bytes 0-7 the 8 scales, 8-15 the 8 mins. Reads 16 bytes (the 12
- * scale bytes and 4 after them, still in the super-block). */
-INLINE __m128i gg_k_scales_vec(const uint8_t *s12) {
-    __m128i u = _mm_loadu_si128((const __m128i *)s12);                                       /* u0, u1, u2, - */
-    __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3F));                                      /* sc 0-3, mn 0-3 */
-    __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), _mm_setr_epi32(0, 4, 0, 4));      /* u2, u2 >> 4 */
-    __m128i hi = _mm_or_si128(_mm_and_si128(u2, _mm_set1_epi8(0x0F)),
-                              _mm_and_si128(_mm_srli_epi32(u, 2), _mm_set1_epi8(0x30)));      /* sc 4-7, mn 4-7 */
-    return _mm_unpacklo_epi32(lo, hi);
-}
-
-/* Block b (0-7) of a group's quants as bytes: unsigned 0-63 (Q8_0: signed). grp: the group's
- * first byte (8 blocks of a legacy type, one K super-block). */
-INLINE __m256i gg_quants(const int type, const uint8_t *grp, int b) {
-    switch (type) {
-        case GG_Q4_0: return gg_nibbles16(grp + b * 18 + 2);
-        case GG_Q4_1: return gg_nibbles16(grp + b * 20 + 4);
-        case GG_Q5_0: return _mm256_or_si256(gg_nibbles16(grp + b * 22 + 6), gg_bits_to_16(gg_u32(grp + b * 22 + 2)));
-        case GG_Q5_1: return _mm256_or_si256(gg_nibbles16(grp + b * 24 + 8), gg_bits_to_16(gg_u32(grp + b * 24 + 4)));
-        case GG_Q8_0: return _mm256_loadu_si256((const __m256i *)(grp + b * 34 + 2));
-        case GG_Q4_K: case GG_Q5_K: {
-            int five = type == GG_Q5_K;
-            __m256i v = _mm256_loadu_si256((const __m256i *)(grp + (five ? 48 : 16) + 32 * (b / 2)));
-            if (b % 2) v = _mm256_srli_epi16(v, 4);
-            v = _mm256_and_si256(v, _mm256_set1_epi8(15));
-            if (five) {
-                __m256i h = _mm256_loadu_si256((const __m256i *)(grp + 16));
-                h = _mm256_and_si256(_mm256_srli_epi16(h, b), _mm256_set1_epi8(1));
-                v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
-            }
-            return v;
-        }
-        default: { /* GG_Q6_K */
-            int h = b / 4, t = b % 4;
-            __m256i v = _mm256_loadu_si256((const __m256i *)(grp + 64 * h + 32 * (t % 2)));
-            if (t / 2) v = _mm256_srli_epi16(v, 4);
-            v = _mm256_and_si256(v, _mm256_set1_epi8(15));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(grp + 128 + 32 * h));
-            /* bits 2t, 2t + 1 to bits 4, 5: a shift by 4 - 2t (16-bit lanes: what crosses into the
-             * neighbouring byte lands outside the mask) */
-            hb = t < 2 ? _mm256_slli_epi16(hb, 4 - 2 * t) : t == 3 ? _mm256_srli_epi16(hb, 2) : hb;
-            return _mm256_or_si256(v, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
-        }
-    }
-}
-
+#if GG_PANELS
 /* Integer sums of 8 vectors, vector j's in lane j (exact, whatever the order). */
 INLINE __m256i gg_reduce8(const __m256i *v) {
     __m256i p[4];
@@ -432,9 +266,6 @@ INLINE __m256i gg_reduce8(const __m256i *v) {
 /* The 8 int16 block sums at p as int32 */
 INLINE __m256i gg_sums8(const int16_t *p) { return _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
-#define GG_OFFSET(type) ((type) == GG_Q4_0 ? 8 : (type) == GG_Q5_0 ? 16 : 0) /* the quants' offset */
-#define GG_HAS_MIN(type) ((type) == GG_Q4_1 || (type) == GG_Q5_1 || (type) == GG_Q4_K || (type) == GG_Q5_K)
-#define GG_KQUANT(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
 
 /* A legacy group (nb <= 8 blocks of 32) of a weight row against M activation rows: per row, the
  * blocks' exact integer sums I[b] (the offset taken off as off * the block's activation sum),
@@ -563,204 +394,6 @@ INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act
     }
     for (int r = 0; r < M; r++) out[r] = gg_hsum(acc[r]);
 }
-
-/* ---------- many activation rows: weight panels decoded once, then integer GEMM tiles ----------
- * From GG_PANEL_ROWS activation rows on, a thread takes 8 weight rows (a panel) at a time,
- * decodes their quants once into bytes interleaved 4 values a row (8 rows x 4 values = one
- * vector: "a step"), with their scales laid out as vectors over the 8 rows, and then runs every
- * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
- * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
- * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. Decoding costs once per panel
- * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
- * The per-unit integer sums are gg_row's, and so are the float operations on them. */
-#define GG_NR 8                 /* weight rows in a panel */
-#define GG_SLOT_Q 2048          /* a panel's group: quants, 64 steps x 32 bytes */
-#define GG_SLOT_SC 512          /* int16 scale pairs by span unit: up to 16 x 16 lanes */
-#define GG_SLOT_PAIR 256        /* int16 pairs for the mins / Q6_K's offset: 8 x 16 lanes */
-#define GG_SLOT_F 512           /* float scales by unit (legacy: 8 blocks x 8 rows; then the mins) */
-#define GG_SLOT (GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR + GG_SLOT_F)
-
-/* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
-INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
-        out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
-    }
-}
-
-/* Weight rows w[0 .. cols) (cols <= 8; the rest zeros) into the panel: per group a slot of
- * GG_SLOT bytes. rowbuf: 8 x kq bytes, each row's quants decoded in order first (one sequential
- * stream a row), then transposed into steps. */
-static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, int cols, int64_t nblk, int64_t kq,
-                           uint8_t *panel, uint8_t *rowbuf) {
-    const int64_t bytes32 = type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q5_0 ? 22 : type == GG_Q5_1 ? 24 : 34;
-    const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
-    const int64_t groups = (nblk + 7) / 8;
-    memset(panel, 0, (size_t)(groups * GG_SLOT));
-    for (int c = 0; c < GG_NR; c++) {
-        uint8_t *dst = rowbuf + c * kq;
-        if (c >= cols) {
-            memset(dst, 0, (size_t)kq);
-            continue;
-        }
-        const uint8_t *row = w + c * row_bytes;
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *grp = row + g * gbytes;
-            uint8_t *slot = panel + g * GG_SLOT;
-            int16_t *sc = (int16_t *)(slot + GG_SLOT_Q), *pair = (int16_t *)(slot + GG_SLOT_Q + GG_SLOT_SC);
-            float *f = (float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
-            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
-            for (int b = 0; b < nb; b++)
-                _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), gg_quants(type, grp, b));
-            for (int b = nb; b < 8; b++) _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), _mm256_setzero_si256());
-            if (type == GG_Q6_K) {
-                const int8_t *s = (const int8_t *)(grp + 192);
-                for (int u = 0; u < 16; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = s[u];
-                for (int i = 0; i < 8; i++) pair[16 * i + 2 * c] = s[2 * i], pair[16 * i + 2 * c + 1] = s[2 * i + 1];
-                f[c] = gg_half(grp + 208);
-            } else if (GG_KQUANT(type)) {
-                uint32_t v[4];
-                uint8_t scs[8], mns[8];
-                gg_k_scales(grp + 4, &v[0], &v[1], &v[2], &v[3]);
-                memcpy(scs, &v[0], 4), memcpy(scs + 4, &v[1], 4), memcpy(mns, &v[2], 4), memcpy(mns + 4, &v[3], 4);
-                for (int u = 0; u < 8; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = scs[u];
-                for (int i = 0; i < 4; i++) pair[16 * i + 2 * c] = mns[2 * i], pair[16 * i + 2 * c + 1] = mns[2 * i + 1];
-                f[c] = gg_half(grp), f[8 + c] = -gg_half(grp + 2);
-            } else {
-                for (int b = 0; b < nb; b++) {
-                    f[8 * b + c] = gg_half(grp + b * bytes32);
-                    if (GG_HAS_MIN(type)) f[64 + 8 * b + c] = gg_half(grp + b * bytes32 + 2);
-                }
-            }
-        }
-    }
-    for (int64_t g = 0; g < groups; g++)
-        for (int b = 0; b < 8; b++) {
-            __m256i in[8], out[8];
-            for (int c = 0; c < GG_NR; c++) in[c] = _mm256_loadu_si256((const __m256i *)(rowbuf + c * kq + 256 * g + 32 * b));
-            gg_transpose8(in, out);
-            for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(panel + g * GG_SLOT + 256 * b + 32 * s), out[s]);
-        }
-}
-
-/* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
- * into the int16 sums s16[r] (or, for Q8_0, straight into the int32 sums i32[r]) */
-INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
-                           __m256i *s16, __m256i *i32) {
-#pragma GCC unroll 2
-    for (int t = t0; t < t0 + n; t++) {
-        __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * t)), wabs = w;
-        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
-        for (int r = 0; r < M; r++) {
-            int32_t x4;
-            memcpy(&x4, xq[r] + 4 * t, 4);
-            __m256i xb = _mm256_set1_epi32(x4);
-            if (type == GG_Q8_0) i32[r] = _mm256_add_epi32(i32[r], GG_DOT(wabs, _mm256_sign_epi8(xb, w)));
-            else s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, xb));
-        }
-    }
-}
-
-/* M activation rows (r0 ..) against a decoded panel: A[8 r + lane] are the rows' float
- * accumulators, lanes the panel's 8 outputs, indexed by unit % 8 as gg_row's lanes are. */
-INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, const gg_act *a, int64_t r0,
-                          int64_t nblk, __m256 *A) {
-    const int span = type == GG_Q6_K ? 2 : (type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q5_K) ? 4 : 8;
-    const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 32 /* stores, not a rep stos: its start-up is most of a short row's tile */
-    for (int i = 0; i < 8 * M; i++) A[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; 8 * g < nblk; g++) {
-        const uint8_t *slot = panel + g * GG_SLOT;
-        const __m256i *sc = (const __m256i *)(slot + GG_SLOT_Q), *pair = (const __m256i *)(slot + GG_SLOT_Q + GG_SLOT_SC);
-        const float *f = (const float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
-        const int8_t *xq[GG_TILE];
-        const float *xd[GG_TILE];
-        const int16_t *b32[GG_TILE];
-        for (int r = 0; r < M; r++) {
-            xq[r] = a->q + (r0 + r) * a->kq + 256 * g;
-            xd[r] = a->d + (r0 + r) * a->nb8 + 8 * g;
-            b32[r] = a->b32 + (r0 + r) * a->nb8 + 8 * g;
-        }
-        __m256i s16[GG_TILE], i32[GG_TILE];
-        if (!GG_KQUANT(type)) {
-            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
-            for (int b = 0; b < nb; b++) {
-                for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
-                for (int t = 8 * b; t < 8 * b + 8; t += span) {
-                    for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                    gg_panel_steps(type, M, slot, xq, t, type == GG_Q8_0 ? 8 : span, s16, i32);
-                    if (type == GG_Q8_0) break;
-                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
-                }
-                __m256 D = _mm256_load_ps(f + 8 * b);
-                for (int r = 0; r < M; r++) {
-                    int32_t bs = b32[r][b];
-                    __m256i I = i32[r];
-                    if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_set1_epi32(GG_OFFSET(type) * bs));
-                    __m256 xdv = _mm256_set1_ps(xd[r][b]);
-                    A[8 * r + b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + b]);
-                    if (GG_HAS_MIN(type))
-                        A[8 * r + b] = _mm256_fmadd_ps(_mm256_set1_ps((float)bs),
-                                                       _mm256_mul_ps(_mm256_load_ps(f + 64 + 8 * b), xdv), A[8 * r + b]);
-                }
-            }
-            continue;
-        }
-        const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
-        for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-        for (int t = 0; t < 64; t += span) {
-            for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-            gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
-            __m256i scv = _mm256_load_si256(sc + t / unit);
-            for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
-        }
-        __m256 D = _mm256_load_ps(f);
-        for (int r = 0; r < M; r++) {
-            __m256 xdv = _mm256_set1_ps(xd[r][0]);
-            __m256i I = i32[r];
-            if (type == GG_Q6_K) { /* 32 * sum of sc[u] * the activations' 16-value sums */
-                const int16_t *x16 = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
-                __m256i o = _mm256_setzero_si256();
-                for (int i = 0; i < 8; i++) {
-                    int32_t p;
-                    memcpy(&p, x16 + 2 * i, 4);
-                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
-                }
-                I = _mm256_sub_epi32(I, _mm256_slli_epi32(o, 5));
-            }
-            A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + g % 8]);
-            if (type != GG_Q6_K) {
-                __m256i mn = _mm256_setzero_si256();
-                for (int i = 0; i < 4; i++) {
-                    int32_t p;
-                    memcpy(&p, b32[r] + 2 * i, 4);
-                    mn = _mm256_add_epi32(mn, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
-                }
-                A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(_mm256_load_ps(f + 8), xdv),
-                                                   A[8 * r + g % 8]);
-            }
-        }
-    }
-}
-
-/* A's 8 accumulators of row r added as gg_hsum adds a vector's lanes: one output per lane */
-INLINE __m256 gg_panel_sum(const __m256 *A) {
-    __m256 s0 = _mm256_add_ps(A[0], A[4]), s1 = _mm256_add_ps(A[1], A[5]);
-    __m256 s2 = _mm256_add_ps(A[2], A[6]), s3 = _mm256_add_ps(A[3], A[7]);
-    return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
-}
 #else
 /* Portable C: each block decoded to integers once (gg_decode32) and met by every row */
 INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act *a, int64_t r0, int64_t nblk,
@@ -783,62 +416,36 @@ INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act
 }
 #endif
 
-/* The kernels, one per (type, M): the type and the row count constant in each. A type's set: its
- * row functions (gg_row), its panel tiles (gg_panel_tile, where built) and its panel builder. */
+/* The row functions, one per (type, M): the type and the row count constant in each. */
 typedef void (*gg_row_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, float *);
-#if defined(PL_AVX512) || defined(PL_AVX2)
-#define GG_PANELS 1
-typedef void (*gg_tile_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, __m256 *);
-typedef void (*gg_build_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, uint8_t *, uint8_t *);
-#define GG_TILE_FN(name, T, M)                                                                      \
-    static void name##_tile_##M(const uint8_t *p, const gg_act *a, int64_t r0, int64_t nb, __m256 *A) { \
-        gg_panel_tile(T, M, p, a, r0, nb, A);                                                       \
-    }
-#define GG_PANEL_FNS(name, T)                                                                                 \
-    GG_TILE_FN(name, T, 1) GG_TILE_FN(name, T, 2) GG_TILE_FN(name, T, 3) GG_TILE_FN(name, T, 4)               \
-    static void name##_build(const uint8_t *w, int64_t rb, int cols, int64_t nblk, int64_t kq, uint8_t *p, \
-                             uint8_t *buf) {                                                                  \
-        gg_panel_build(T, w, rb, cols, nblk, kq, p, buf);                                                     \
-    }
-#define GG_PANEL_SET(name) , {name##_tile_1, name##_tile_2, name##_tile_3, name##_tile_4}, name##_build
-#else
-#define GG_PANELS 0
-#define GG_PANEL_FNS(name, T)
-#define GG_PANEL_SET(name)
-#endif
-typedef struct {
-    gg_row_fn row[GG_TILE];
-#if GG_PANELS
-    gg_tile_fn tile[GG_TILE];
-    gg_build_fn build;
-#endif
-} gg_kernels;
 #define GG_ROW_FN(name, T, M)                                                                \
     static void name##_##M(const uint8_t *w, const gg_act *a, int64_t r0, int64_t nb, float *o) { \
         gg_row(T, M, w, a, r0, nb, o);                                                       \
     }
-#define GG_FNS(name, T)                                                                                \
-    GG_ROW_FN(name, T, 1) GG_ROW_FN(name, T, 2) GG_ROW_FN(name, T, 3) GG_ROW_FN(name, T, 4) GG_PANEL_FNS(name, T) \
-    static const gg_kernels name##_kernels = {{name##_1, name##_2, name##_3, name##_4} GG_PANEL_SET(name)};
-GG_FNS(gg_q4_0, GG_Q4_0)
-GG_FNS(gg_q4_1, GG_Q4_1)
-GG_FNS(gg_q5_0, GG_Q5_0)
-GG_FNS(gg_q5_1, GG_Q5_1)
-GG_FNS(gg_q8_0, GG_Q8_0)
-GG_FNS(gg_q4_k, GG_Q4_K)
-GG_FNS(gg_q5_k, GG_Q5_K)
-GG_FNS(gg_q6_k, GG_Q6_K)
+#define GG_ROW_FNS(name, T) GG_ROW_FN(name, T, 1) GG_ROW_FN(name, T, 2) GG_ROW_FN(name, T, 3) GG_ROW_FN(name, T, 4)
+GG_ROW_FNS(gg_q4_0, GG_Q4_0)
+GG_ROW_FNS(gg_q4_1, GG_Q4_1)
+GG_ROW_FNS(gg_q5_0, GG_Q5_0)
+GG_ROW_FNS(gg_q5_1, GG_Q5_1)
+GG_ROW_FNS(gg_q8_0, GG_Q8_0)
+GG_ROW_FNS(gg_q4_k, GG_Q4_K)
+GG_ROW_FNS(gg_q5_k, GG_Q5_K)
+GG_ROW_FNS(gg_q6_k, GG_Q6_K)
+#define GG_FNS(name) {name##_1, name##_2, name##_3, name##_4}
 
-static const gg_kernels *gg_kernels_of(int type) {
+static const gg_row_fn *gg_row_fns(int type) {
+    static const gg_row_fn q4_0[4] = GG_FNS(gg_q4_0), q4_1[4] = GG_FNS(gg_q4_1), q5_0[4] = GG_FNS(gg_q5_0),
+                           q5_1[4] = GG_FNS(gg_q5_1), q8_0[4] = GG_FNS(gg_q8_0), q4_k[4] = GG_FNS(gg_q4_k),
+                           q5_k[4] = GG_FNS(gg_q5_k), q6_k[4] = GG_FNS(gg_q6_k);
     switch (type) {
-        case GG_Q4_0: return &gg_q4_0_kernels;
-        case GG_Q4_1: return &gg_q4_1_kernels;
-        case GG_Q5_0: return &gg_q5_0_kernels;
-        case GG_Q5_1: return &gg_q5_1_kernels;
-        case GG_Q8_0: return &gg_q8_0_kernels;
-        case GG_Q4_K: return &gg_q4_k_kernels;
-        case GG_Q5_K: return &gg_q5_k_kernels;
-        case GG_Q6_K: return &gg_q6_k_kernels;
+        case GG_Q4_0: return q4_0;
+        case GG_Q4_1: return q4_1;
+        case GG_Q5_0: return q5_0;
+        case GG_Q5_1: return q5_1;
+        case GG_Q8_0: return q8_0;
+        case GG_Q4_K: return q4_k;
+        case GG_Q5_K: return q5_k;
+        case GG_Q6_K: return q6_k;
         default: return NULL;
     }
 }
@@ -870,47 +477,6 @@ static void gg_float_linear(int type, const uint8_t *w, int64_t row_bytes, int64
 #define GG_WEIGHT_BLOCK 16                 /* weight rows a thread takes at a time */
 #define GG_ACT_BYTES ((int64_t)256 * 1024) /* activation rows per pass over W: about this much int8 (L2) */
 
-#if GG_PANELS
-/* A thread's panel scratch, kept from call to call (OpenMP's threads persist): a fresh ~100 KB
- * buffer a call would come from mmap, page faults and all. */
-static __thread uint8_t *gg_scratch;
-static __thread size_t gg_scratch_bytes;
-
-static uint8_t *gg_panel_scratch(size_t bytes) {
-    if (bytes > gg_scratch_bytes) {
-        free(gg_scratch);
-        gg_scratch_bytes = (bytes + 4095) / 4096 * 4096;
-        gg_scratch = aligned_alloc(64, gg_scratch_bytes);
-    }
-    return gg_scratch;
-}
-
-/* Threads take panels of 8 weight rows; each panel meets every activation row, 4 at a time. */
-static void gg_panels(const gg_kernels *kern, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk,
-                      const gg_act *a, int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
-    int64_t groups = (nblk + 7) / 8;
-    uint8_t *panel = gg_panel_scratch((size_t)(groups * GG_SLOT + GG_NR * a->kq));
-    uint8_t *rowbuf = panel + groups * GG_SLOT;
-    __m256 A[8 * GG_TILE];
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < (n + GG_NR - 1) / GG_NR; p++) {
-        int64_t j0 = p * GG_NR;
-        int cols = n - j0 < GG_NR ? (int)(n - j0) : GG_NR;
-        kern->build(w + j0 * row_bytes, row_bytes, cols, nblk, a->kq, panel, rowbuf);
-        float b[GG_NR] = {0}, out[GG_NR];
-        for (int c = 0; bias && c < cols; c++) b[c] = load1(bias, y_bf16, j0 + c);
-        for (int64_t r0 = 0; r0 < m; r0 += GG_TILE) {
-            int M = m - r0 < GG_TILE ? (int)(m - r0) : GG_TILE;
-            kern->tile[M - 1](panel, a, r0, nblk, A);
-            for (int r = 0; r < M; r++) {
-                _mm256_storeu_ps(out, gg_panel_sum(A + 8 * r));
-                for (int c = 0; c < cols; c++) store1(y, y_bf16, (r0 + r) * ldy + j0 + c, out[c] + b[c]);
-            }
-        }
-    }
-}
-#endif
-
 void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy, int nthreads) {
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
@@ -918,8 +484,8 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;
     }
-    const gg_kernels *kern = gg_kernels_of(type);
-    if (!kern) return;
+    const gg_row_fn *fns = gg_row_fns(type);
+    if (!fns) return;
     int64_t nblk = k / 32, nb8 = (nblk + 7) / 8 * 8;
     int kquant = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K;
     gg_act a = {.kq = nb8 * 32, .nb8 = nb8, .group = kquant ? 256 : 32};
@@ -947,7 +513,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
             for (int64_t r = 0; r < m; r++) gg_quantize(x, x_bf16, r, k, &a);
         }
 #if GG_PANELS
-        if (panels) gg_panels(kern, w, row_bytes, n, nblk, &a, m, bias, y, y_bf16, ldy);
+        if (panels) gg_panel_linear(type, w, row_bytes, n, nblk, &a, m, bias, y, y_bf16, ldy);
 #endif
         for (int64_t rb = 0; !panels && rb < m; rb += pass) {
             int64_t re = rb + pass < m ? rb + pass : m;
@@ -958,7 +524,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int M = re - r0 < GG_TILE ? (int)(re - r0) : GG_TILE;
                     for (int64_t j = j0; j < j1; j++) {
                         float out[GG_TILE];
-                        kern->row[M - 1](w + j * row_bytes, &a, r0, nblk, out);
+                        fns[M - 1](w + j * row_bytes, &a, r0, nblk, out);
                         float b = bias ? load1(bias, y_bf16, j) : 0.0f;
                         for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * ldy + j, out[r] + b);
                     }

@@ -75,14 +75,14 @@ def test_rows_whose_logprobs_are_returned_get_the_blocks_logits(rows) -> None:
     ranked = GGUFRankedHead.build(blocks, max_rows=4)
     if ranked is None:
         pytest.skip("no int4 kernels here")
-    hidden = torch.randn(rows, K)
+    hidden = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     plain = ranked(hidden)
     with exact_logit_rows(torch.tensor([0, rows - 1])):
         mixed = ranked(hidden)
-    exact = hidden @ head.dense.T
-    for r in (0, rows - 1):  # the blocks' logits (int8 activations) for the whole vocabulary
-        assert ((mixed[r] - exact[r]).norm() / exact[r].norm()) < 2e-2
-        assert ((mixed[r] - exact[r]).norm() < 0.5 * (plain[r] - exact[r]).norm())
+    exact, own = hidden @ head.dense.T, blocks(hidden)
+    for r in (0, rows - 1):  # the blocks' own logits for the whole vocabulary, bar the re-scored top
+        assert (mixed[r] != own[r]).sum() <= ranked.top_k
+        assert (plain[r] != own[r]).sum() > vocab // 2  # where the plain rows' tail is a copy's
         assert mixed[r].argmax() == exact[r].argmax()
         top = exact[r].topk(16).indices  # the top re-scored as before: the same values
         torch.testing.assert_close(mixed[r, top], plain[r, top])

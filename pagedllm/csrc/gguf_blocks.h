@@ -1,0 +1,192 @@
+/* GGUF blocks as pagedllm's kernels read them: the types and their scales, the activations'
+ * int8 form, and (AVX2 / AVX-512 builds) a block's quants as bytes. Shared by gguf.c (dequantize;
+ * the linear a weight row at a time) and gguf_panel.c (the linear for many activation rows). */
+#ifndef PAGEDLLM_GGUF_BLOCKS_H
+#define PAGEDLLM_GGUF_BLOCKS_H
+
+#include "common.h"
+
+enum {
+    GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8,
+    GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30,
+};
+
+/* values per block: 32 (legacy), 256 (K super-blocks), 1 (float types), 0 (not supported) */
+INLINE int gg_block_values(int type) {
+    switch (type) {
+        case GG_Q4_0: case GG_Q4_1: case GG_Q5_0: case GG_Q5_1: case GG_Q8_0: return 32;
+        case GG_Q4_K: case GG_Q5_K: case GG_Q6_K: return 256;
+        case GG_F32: case GG_F16: case GG_BF16: return 1;
+        default: return 0;
+    }
+}
+
+INLINE int gg_quantized(int type) { return gg_block_values(type) > 1; }
+
+/* IEEE half to float, exact (subnormals, inf and NaN included): F16C where built with it, the
+ * same values in plain C elsewhere */
+INLINE float gg_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, mant = h & 1023u, u;
+    if (e == 0) {
+        float f = (float)mant * 5.9604644775390625e-8f; /* mant * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    u = e == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((e + 112u) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+INLINE uint32_t gg_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q4_K / Q5_K: the 12 scale bytes hold 8 six-bit scales and 8 six-bit mins. Bytes 0-3: scales
+ * 0-3 in bits 0-5, bits 6-7 the top of scales 4-7; bytes 4-7: mins 0-3, bits 6-7 the top of
+ * mins 4-7; bytes 8-11: low nibble the bottom of scales 4-7, high nibble of mins 4-7. Worked
+ * on 4 bytes at once: sc[0..3], sc[4..7], mn[0..3], mn[4..7] as little-endian words. */
+INLINE void gg_k_scales(const uint8_t *s12, uint32_t *sc_lo, uint32_t *sc_hi, uint32_t *mn_lo, uint32_t *mn_hi) {
+    uint32_t u0 = gg_u32(s12), u1 = gg_u32(s12 + 4), u2 = gg_u32(s12 + 8);
+    *sc_lo = u0 & 0x3F3F3F3Fu;
+    *mn_lo = u1 & 0x3F3F3F3Fu;
+    *sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u); /* a byte's bits 6-7 to bits 4-5 */
+    *mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
+}
+
+/* ---------- activations: int8 blocks of 32 ----------
+ * Per row, padded to whole groups of 8 blocks (256 values) with zeros: q (int8), d (each
+ * block's scale, max |x| / 127 over the block, or over its group of 8 for the K types, then
+ * the same in all 8), ds (d * the block's sum of q), s16 (the sums of each 16 q, for Q6_K's
+ * offset under its 16-value scales), b32 (of each 32: the legacy offsets and mins, Q4_K / Q5_K's
+ * mins). Values under a scale that include inf or NaN
+ * get d = NaN and q = 0: every output of the row is then NaN, as its float product would not
+ * be finite either; quantizing them would hide that. */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int16_t *s16, *b32;
+    int64_t kq, nb8; /* per row: kq = groups * 256 values, nb8 = groups * 8 blocks */
+    int group;       /* values under one scale: 32, or 256 for the K types (d repeated per block) */
+} gg_act;
+
+#define GG_TILE 4              /* activation rows a kernel call takes at once */
+#define GG_PANEL_ROWS 8        /* activation rows from which a call takes the panel path (where built) */
+#define GG_PREFETCH_BYTES 2048 /* how far ahead of the group in hand a weight row is prefetched */
+#define GG_OFFSET(type) ((type) == GG_Q4_0 ? 8 : (type) == GG_Q5_0 ? 16 : 0) /* the quants' offset */
+#define GG_HAS_MIN(type) ((type) == GG_Q4_1 || (type) == GG_Q5_1 || (type) == GG_Q4_K || (type) == GG_Q5_K)
+#define GG_KQUANT(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
+
+#if defined(PL_AVX512) || defined(PL_AVX2)
+/* 32 u8 x s8 products in 8 int32 lanes (each the sum of 4 neighbours) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GG_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#elif defined(__AVXVNNI__)
+#define GG_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#else
+#define GG_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#endif
+
+INLINE float gg_hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 16 bytes of nibbles as values 0-15 (low nibbles) then 16-31 (high), one byte each: the bytes
+ * loaded into both halves, the upper half shifted by 4 */
+INLINE __m256i gg_nibbles16(const uint8_t *p) {
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+/* bit i of qh as 0x10 in byte i */
+INLINE __m256i gg_bits_to_16(uint32_t qh) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+/* The 8 f16 values at p, p + stride, ...: each loaded with the two bytes after it (still inside
+ * its block) and merged in a tree of unpacks, not a serial chain of inserts. A short group (a
+ * legacy row's last, nb < 8 blocks) reads only its own blocks; the rest are 0. */
+INLINE __m256 gg_halves8(const uint8_t *p, int64_t stride, const int nb) {
+    if (nb < 8) {
+        uint16_t h[8] = {0};
+        for (int i = 0; i < nb; i++) memcpy(&h[i], p + i * stride, 2);
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    }
+    __m128i v[8];
+    for (int i = 0; i < 8; i++) v[i] = _mm_cvtsi32_si128((int)gg_u32(p + i * stride));
+    __m128i a = _mm_unpacklo_epi32(_mm_unpacklo_epi16(v[0], v[1]), _mm_unpacklo_epi16(v[2], v[3]));
+    __m128i b = _mm_unpacklo_epi32(_mm_unpacklo_epi16(v[4], v[5]), _mm_unpacklo_epi16(v[6], v[7]));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
+}
+
+/* gg_k_scales on vectors: bytes 0-7 the 8 scales, 8-15 the 8 mins. Reads 16 bytes (the 12
+ * scale bytes and 4 after them, still in the super-block). */
+INLINE __m128i gg_k_scales_vec(const uint8_t *s12) {
+    __m128i u = _mm_loadu_si128((const __m128i *)s12);                                       /* u0, u1, u2, - */
+    __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3F));                                      /* sc 0-3, mn 0-3 */
+    __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), _mm_setr_epi32(0, 4, 0, 4));      /* u2, u2 >> 4 */
+    __m128i hi = _mm_or_si128(_mm_and_si128(u2, _mm_set1_epi8(0x0F)),
+                              _mm_and_si128(_mm_srli_epi32(u, 2), _mm_set1_epi8(0x30)));      /* sc 4-7, mn 4-7 */
+    return _mm_unpacklo_epi32(lo, hi);
+}
+
+/* Block b (0-7) of a group's quants as bytes: unsigned 0-63 (Q8_0: signed). grp: the group's
+ * first byte (8 blocks of a legacy type, one K super-block). */
+INLINE __m256i gg_quants(const int type, const uint8_t *grp, int b) {
+    switch (type) {
+        case GG_Q4_0: return gg_nibbles16(grp + b * 18 + 2);
+        case GG_Q4_1: return gg_nibbles16(grp + b * 20 + 4);
+        case GG_Q5_0: return _mm256_or_si256(gg_nibbles16(grp + b * 22 + 6), gg_bits_to_16(gg_u32(grp + b * 22 + 2)));
+        case GG_Q5_1: return _mm256_or_si256(gg_nibbles16(grp + b * 24 + 8), gg_bits_to_16(gg_u32(grp + b * 24 + 4)));
+        case GG_Q8_0: return _mm256_loadu_si256((const __m256i *)(grp + b * 34 + 2));
+        case GG_Q4_K: case GG_Q5_K: {
+            int five = type == GG_Q5_K;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(grp + (five ? 48 : 16) + 32 * (b / 2)));
+            if (b % 2) v = _mm256_srli_epi16(v, 4);
+            v = _mm256_and_si256(v, _mm256_set1_epi8(15));
+            if (five) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(grp + 16));
+                h = _mm256_and_si256(_mm256_srli_epi16(h, b), _mm256_set1_epi8(1));
+                v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
+            }
+            return v;
+        }
+        default: { /* GG_Q6_K */
+            int h = b / 4, t = b % 4;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(grp + 64 * h + 32 * (t % 2)));
+            if (t / 2) v = _mm256_srli_epi16(v, 4);
+            v = _mm256_and_si256(v, _mm256_set1_epi8(15));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(grp + 128 + 32 * h));
+            /* bits 2t, 2t + 1 to bits 4, 5: a shift by 4 - 2t (16-bit lanes: what crosses into the
+             * neighbouring byte lands outside the mask) */
+            hb = t < 2 ? _mm256_slli_epi16(hb, 4 - 2 * t) : t == 3 ? _mm256_srli_epi16(hb, 2) : hb;
+            return _mm256_or_si256(v, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+        }
+    }
+}
+#endif
+
+#if defined(PL_AVX512) || defined(PL_AVX2)
+#define GG_PANELS 1
+/* gguf_panel.c: outputs [0, n) for m >= GG_PANEL_ROWS activation rows (quantized in a), run by
+ * every thread of pl_gguf_linear's parallel region (an orphaned omp for over panels of W's rows). */
+void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk, const gg_act *a,
+                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy);
+#else
+#define GG_PANELS 0
+#endif
+
+#endif /* PAGEDLLM_GGUF_BLOCKS_H */

@@ -1,0 +1,283 @@
+/* The GGUF linear for many activation rows: weight panels decoded once, then integer GEMM tiles.
+ * From GG_PANEL_ROWS activation rows on, a thread takes 8 weight rows (a panel) at a time,
+ * decodes their quants once into bytes interleaved 4 values a row (8 rows x 4 values = one
+ * vector: "a step"), with their scales laid out as vectors over the 8 rows, and then runs every
+ * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
+ * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
+ * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. Decoding costs once per panel
+ * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
+ * The per-unit integer sums are gg_row's, and so are the float operations on them. */
+#include "gguf_blocks.h"
+
+#if GG_PANELS
+#define GG_NR 8                 /* weight rows in a panel */
+#define GG_SLOT_Q 2048          /* a panel's group: quants, 64 steps x 32 bytes */
+#define GG_SLOT_SC 512          /* int16 scale pairs by span unit: up to 16 x 16 lanes */
+#define GG_SLOT_PAIR 256        /* int16 pairs for the mins / Q6_K's offset: 8 x 16 lanes */
+#define GG_SLOT_F 512           /* float scales by unit (legacy: 8 blocks x 8 rows; then the mins) */
+#define GG_SLOT (GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR + GG_SLOT_F)
+
+/* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
+INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* Weight rows w[0 .. cols) (cols <= 8; the rest zeros) into the panel: per group a slot of
+ * GG_SLOT bytes. rowbuf: 8 x kq bytes, each row's quants decoded in order first (one sequential
+ * stream a row), then transposed into steps. */
+static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, int cols, int64_t nblk, int64_t kq,
+                           uint8_t *panel, uint8_t *rowbuf) {
+    const int64_t bytes32 = type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q5_0 ? 22 : type == GG_Q5_1 ? 24 : 34;
+    const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
+    const int64_t groups = (nblk + 7) / 8;
+    memset(panel, 0, (size_t)(groups * GG_SLOT));
+    for (int c = 0; c < GG_NR; c++) {
+        uint8_t *dst = rowbuf + c * kq;
+        if (c >= cols) {
+            memset(dst, 0, (size_t)kq);
+            continue;
+        }
+        const uint8_t *row = w + c * row_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *grp = row + g * gbytes;
+            uint8_t *slot = panel + g * GG_SLOT;
+            int16_t *sc = (int16_t *)(slot + GG_SLOT_Q), *pair = (int16_t *)(slot + GG_SLOT_Q + GG_SLOT_SC);
+            float *f = (float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
+            for (int b = 0; b < nb; b++)
+                _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), gg_quants(type, grp, b));
+            for (int b = nb; b < 8; b++) _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), _mm256_setzero_si256());
+            if (type == GG_Q6_K) {
+                const int8_t *s = (const int8_t *)(grp + 192);
+                for (int u = 0; u < 16; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = s[u];
+                for (int i = 0; i < 8; i++) pair[16 * i + 2 * c] = s[2 * i], pair[16 * i + 2 * c + 1] = s[2 * i + 1];
+                f[c] = gg_half(grp + 208);
+            } else if (GG_KQUANT(type)) {
+                uint32_t v[4];
+                uint8_t scs[8], mns[8];
+                gg_k_scales(grp + 4, &v[0], &v[1], &v[2], &v[3]);
+                memcpy(scs, &v[0], 4), memcpy(scs + 4, &v[1], 4), memcpy(mns, &v[2], 4), memcpy(mns + 4, &v[3], 4);
+                for (int u = 0; u < 8; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = scs[u];
+                for (int i = 0; i < 4; i++) pair[16 * i + 2 * c] = mns[2 * i], pair[16 * i + 2 * c + 1] = mns[2 * i + 1];
+                f[c] = gg_half(grp), f[8 + c] = -gg_half(grp + 2);
+            } else {
+                for (int b = 0; b < nb; b++) {
+                    f[8 * b + c] = gg_half(grp + b * bytes32);
+                    if (GG_HAS_MIN(type)) f[64 + 8 * b + c] = gg_half(grp + b * bytes32 + 2);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int b = 0; b < 8; b++) {
+            __m256i in[8], out[8];
+            for (int c = 0; c < GG_NR; c++) in[c] = _mm256_loadu_si256((const __m256i *)(rowbuf + c * kq + 256 * g + 32 * b));
+            gg_transpose8(in, out);
+            for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(panel + g * GG_SLOT + 256 * b + 32 * s), out[s]);
+        }
+}
+
+/* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
+ * into the int16 sums s16[r] (or, for Q8_0, straight into the int32 sums i32[r]) */
+INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
+                           __m256i *s16, __m256i *i32) {
+#pragma GCC unroll 2
+    for (int t = t0; t < t0 + n; t++) {
+        __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * t)), wabs = w;
+        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
+        for (int r = 0; r < M; r++) {
+            int32_t x4;
+            memcpy(&x4, xq[r] + 4 * t, 4);
+            __m256i xb = _mm256_set1_epi32(x4);
+            if (type == GG_Q8_0) i32[r] = _mm256_add_epi32(i32[r], GG_DOT(wabs, _mm256_sign_epi8(xb, w)));
+            else s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, xb));
+        }
+    }
+}
+
+/* M activation rows (r0 ..) against a decoded panel: A[8 r + lane] are the rows' float
+ * accumulators, lanes the panel's 8 outputs, indexed by unit % 8 as gg_row's lanes are. */
+INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, const gg_act *a, int64_t r0,
+                          int64_t nblk, __m256 *A) {
+    const int span = type == GG_Q6_K ? 2 : (type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q5_K) ? 4 : 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 32 /* stores, not a rep stos: its start-up is most of a short row's tile */
+    for (int i = 0; i < 8 * M; i++) A[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; 8 * g < nblk; g++) {
+        const uint8_t *slot = panel + g * GG_SLOT;
+        const __m256i *sc = (const __m256i *)(slot + GG_SLOT_Q), *pair = (const __m256i *)(slot + GG_SLOT_Q + GG_SLOT_SC);
+        const float *f = (const float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+        const int8_t *xq[GG_TILE];
+        const float *xd[GG_TILE];
+        const int16_t *b32[GG_TILE];
+        for (int r = 0; r < M; r++) {
+            xq[r] = a->q + (r0 + r) * a->kq + 256 * g;
+            xd[r] = a->d + (r0 + r) * a->nb8 + 8 * g;
+            b32[r] = a->b32 + (r0 + r) * a->nb8 + 8 * g;
+        }
+        __m256i s16[GG_TILE], i32[GG_TILE];
+        if (!GG_KQUANT(type)) {
+            int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
+            for (int b = 0; b < nb; b++) {
+                for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+                for (int t = 8 * b; t < 8 * b + 8; t += span) {
+                    for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+                    gg_panel_steps(type, M, slot, xq, t, type == GG_Q8_0 ? 8 : span, s16, i32);
+                    if (type == GG_Q8_0) break;
+                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
+                }
+                __m256 D = _mm256_load_ps(f + 8 * b);
+                for (int r = 0; r < M; r++) {
+                    int32_t bs = b32[r][b];
+                    __m256i I = i32[r];
+                    if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_set1_epi32(GG_OFFSET(type) * bs));
+                    __m256 xdv = _mm256_set1_ps(xd[r][b]);
+                    A[8 * r + b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + b]);
+                    if (GG_HAS_MIN(type))
+                        A[8 * r + b] = _mm256_fmadd_ps(_mm256_set1_ps((float)bs),
+                                                       _mm256_mul_ps(_mm256_load_ps(f + 64 + 8 * b), xdv), A[8 * r + b]);
+                }
+            }
+            continue;
+        }
+        const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
+        for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int t = 0; t < 64; t += span) {
+            for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+            gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+            __m256i scv = _mm256_load_si256(sc + t / unit);
+            for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
+        }
+        __m256 D = _mm256_load_ps(f);
+        for (int r = 0; r < M; r++) {
+            __m256 xdv = _mm256_set1_ps(xd[r][0]);
+            __m256i I = i32[r];
+            if (type == GG_Q6_K) { /* 32 * sum of sc[u] * the activations' 16-value sums */
+                const int16_t *x16 = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
+                __m256i o = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    int32_t p;
+                    memcpy(&p, x16 + 2 * i, 4);
+                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+                }
+                I = _mm256_sub_epi32(I, _mm256_slli_epi32(o, 5));
+            }
+            A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + g % 8]);
+            if (type != GG_Q6_K) {
+                __m256i mn = _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    int32_t p;
+                    memcpy(&p, b32[r] + 2 * i, 4);
+                    mn = _mm256_add_epi32(mn, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+                }
+                A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(_mm256_load_ps(f + 8), xdv),
+                                                   A[8 * r + g % 8]);
+            }
+        }
+    }
+}
+
+/* A's 8 accumulators of row r added as gg_hsum adds a vector's lanes: one output per lane */
+INLINE __m256 gg_panel_sum(const __m256 *A) {
+    __m256 s0 = _mm256_add_ps(A[0], A[4]), s1 = _mm256_add_ps(A[1], A[5]);
+    __m256 s2 = _mm256_add_ps(A[2], A[6]), s3 = _mm256_add_ps(A[3], A[7]);
+    return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+}
+
+/* The tiles, one per (type, M), and each type's panel builder: the type and the row count constant in each */
+typedef void (*gg_tile_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, __m256 *);
+typedef void (*gg_build_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, uint8_t *, uint8_t *);
+typedef struct {
+    gg_tile_fn tile[GG_TILE];
+    gg_build_fn build;
+} gg_kernels;
+#define GG_TILE_FN(name, T, M)                                                                      \
+    static void name##_tile_##M(const uint8_t *p, const gg_act *a, int64_t r0, int64_t nb, __m256 *A) { \
+        gg_panel_tile(T, M, p, a, r0, nb, A);                                                       \
+    }
+#define GG_PANEL_FNS(name, T)                                                                                 \
+    GG_TILE_FN(name, T, 1) GG_TILE_FN(name, T, 2) GG_TILE_FN(name, T, 3) GG_TILE_FN(name, T, 4)               \
+    static void name##_build(const uint8_t *w, int64_t rb, int cols, int64_t nblk, int64_t kq, uint8_t *p,     \
+                             uint8_t *buf) {                                                                  \
+        gg_panel_build(T, w, rb, cols, nblk, kq, p, buf);                                                     \
+    }                                                                                                         \
+    static const gg_kernels name##_kernels = {{name##_tile_1, name##_tile_2, name##_tile_3, name##_tile_4},   \
+                                              name##_build};
+GG_PANEL_FNS(gg_q4_0, GG_Q4_0)
+GG_PANEL_FNS(gg_q4_1, GG_Q4_1)
+GG_PANEL_FNS(gg_q5_0, GG_Q5_0)
+GG_PANEL_FNS(gg_q5_1, GG_Q5_1)
+GG_PANEL_FNS(gg_q8_0, GG_Q8_0)
+GG_PANEL_FNS(gg_q4_k, GG_Q4_K)
+GG_PANEL_FNS(gg_q5_k, GG_Q5_K)
+GG_PANEL_FNS(gg_q6_k, GG_Q6_K)
+
+static const gg_kernels *gg_kernels_of(int type) {
+    switch (type) {
+        case GG_Q4_0: return &gg_q4_0_kernels;
+        case GG_Q4_1: return &gg_q4_1_kernels;
+        case GG_Q5_0: return &gg_q5_0_kernels;
+        case GG_Q5_1: return &gg_q5_1_kernels;
+        case GG_Q8_0: return &gg_q8_0_kernels;
+        case GG_Q4_K: return &gg_q4_k_kernels;
+        case GG_Q5_K: return &gg_q5_k_kernels;
+        case GG_Q6_K: return &gg_q6_k_kernels;
+        default: return NULL;
+    }
+}
+
+/* A thread's panel scratch, kept from call to call (OpenMP's threads persist): a fresh ~100 KB
+ * buffer a call would come from mmap, page faults and all. */
+static __thread uint8_t *gg_scratch;
+static __thread size_t gg_scratch_bytes;
+
+static uint8_t *gg_panel_scratch(size_t bytes) {
+    if (bytes > gg_scratch_bytes) {
+        free(gg_scratch);
+        gg_scratch_bytes = (bytes + 4095) / 4096 * 4096;
+        gg_scratch = aligned_alloc(64, gg_scratch_bytes);
+    }
+    return gg_scratch;
+}
+
+/* Threads take panels of 8 weight rows; each panel meets every activation row, 4 at a time. */
+void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk, const gg_act *a,
+                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
+    const gg_kernels *kern = gg_kernels_of(type);
+    int64_t groups = (nblk + 7) / 8;
+    uint8_t *panel = gg_panel_scratch((size_t)(groups * GG_SLOT + GG_NR * a->kq));
+    uint8_t *rowbuf = panel + groups * GG_SLOT;
+    __m256 A[8 * GG_TILE];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < (n + GG_NR - 1) / GG_NR; p++) {
+        int64_t j0 = p * GG_NR;
+        int cols = n - j0 < GG_NR ? (int)(n - j0) : GG_NR;
+        kern->build(w + j0 * row_bytes, row_bytes, cols, nblk, a->kq, panel, rowbuf);
+        float b[GG_NR] = {0}, out[GG_NR];
+        for (int c = 0; bias && c < cols; c++) b[c] = load1(bias, y_bf16, j0 + c);
+        for (int64_t r0 = 0; r0 < m; r0 += GG_TILE) {
+            int M = m - r0 < GG_TILE ? (int)(m - r0) : GG_TILE;
+            kern->tile[M - 1](panel, a, r0, nblk, A);
+            for (int r = 0; r < M; r++) {
+                _mm256_storeu_ps(out, gg_panel_sum(A + 8 * r));
+                for (int c = 0; c < cols; c++) store1(y, y_bf16, (r0 + r) * ldy + j0 + c, out[c] + b[c]);
+            }
+        }
+    }
+}
+#endif
