@@ -352,12 +352,7 @@ INLINE void gg_k_group(const int type, const int M, const uint8_t *grp, int64_t 
  * operations per (row, output), so a row's result does not depend on the batch it is in. */
 INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act *a, int64_t r0, int64_t nblk,
                    float *out) {
-    const int64_t bytes32 = type == GG_Q4_0   ? 18
-                            : type == GG_Q4_1 ? 20
-                            : type == GG_Q5_0 ? 22
-                            : type == GG_Q5_1 ? 24
-                                              : 34; /* a legacy block */
-    const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
+    const int64_t gbytes = GG_GROUP_BYTES(type);
     __m256 acc[GG_TILE];
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     if (!GG_KQUANT(type)) {
@@ -487,8 +482,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     const gg_row_fn *fns = gg_row_fns(type);
     if (!fns) return;
     int64_t nblk = k / 32, nb8 = (nblk + 7) / 8 * 8;
-    int kquant = type == GG_Q4_K || type == GG_Q5_K || type == GG_Q6_K;
-    gg_act a = {.kq = nb8 * 32, .nb8 = nb8, .group = kquant ? 256 : 32};
+    gg_act a = {.kq = nb8 * 32, .nb8 = nb8, .group = GG_KQUANT(type) ? 256 : 32};
     size_t fbytes = (size_t)((m * nb8 * sizeof(float) + 63) / 64 * 64);
     a.q = aligned_alloc(64, (size_t)(m * a.kq));
     a.d = aligned_alloc(64, fbytes);

@@ -83,6 +83,11 @@ typedef struct {
 #define GG_OFFSET(type) ((type) == GG_Q4_0 ? 8 : (type) == GG_Q5_0 ? 16 : 0) /* the quants' offset */
 #define GG_HAS_MIN(type) ((type) == GG_Q4_1 || (type) == GG_Q5_1 || (type) == GG_Q4_K || (type) == GG_Q5_K)
 #define GG_KQUANT(type) ((type) == GG_Q4_K || (type) == GG_Q5_K || (type) == GG_Q6_K)
+/* a legacy block's bytes, and a group's (8 legacy blocks, or one K super-block) */
+#define GG_BYTES32(type) \
+    ((type) == GG_Q4_0 ? 18 : (type) == GG_Q4_1 ? 20 : (type) == GG_Q5_0 ? 22 : (type) == GG_Q5_1 ? 24 : 34)
+#define GG_GROUP_BYTES(type) \
+    ((type) == GG_Q4_K ? 144 : (type) == GG_Q5_K ? 176 : (type) == GG_Q6_K ? 210 : 8 * GG_BYTES32(type))
 
 #if defined(PL_AVX512) || defined(PL_AVX2)
 /* 32 u8 x s8 products in 8 int32 lanes (each the sum of 4 neighbours) */

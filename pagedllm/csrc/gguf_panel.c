@@ -41,8 +41,7 @@ INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
  * stream a row), then transposed into steps. */
 static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, int cols, int64_t nblk, int64_t kq,
                            uint8_t *panel, uint8_t *rowbuf) {
-    const int64_t bytes32 = type == GG_Q4_0 ? 18 : type == GG_Q4_1 ? 20 : type == GG_Q5_0 ? 22 : type == GG_Q5_1 ? 24 : 34;
-    const int64_t gbytes = type == GG_Q4_K ? 144 : type == GG_Q5_K ? 176 : type == GG_Q6_K ? 210 : 8 * bytes32;
+    const int64_t bytes32 = GG_BYTES32(type), gbytes = GG_GROUP_BYTES(type);
     const int64_t groups = (nblk + 7) / 8;
     memset(panel, 0, (size_t)(groups * GG_SLOT));
     for (int c = 0; c < GG_NR; c++) {
