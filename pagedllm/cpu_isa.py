@@ -18,10 +18,11 @@ Kept free of torch imports: `apply` must run before torch does anything.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import warnings
+
+from pagedllm import envs
 
 ENV = "PAGEDLLM_CPU_ISA"
 LEVELS = ("generic", "avx2", "avx512")
@@ -56,7 +57,7 @@ def detected() -> str:
 
 def requested() -> str | None:
     """The level `PAGEDLLM_CPU_ISA` asks for, or None for the CPU's own."""
-    value = os.environ.get(ENV, "").strip().lower()
+    value = envs.PAGEDLLM_CPU_ISA.strip().lower()
     if value in _DETECT:
         return None
     if value not in LEVELS:
@@ -93,12 +94,12 @@ def apply() -> None:
     if not capped():
         return
     aten, dnnl = _TORCH_CAPS[selected()]
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
-    os.environ.setdefault("DNNL_MAX_CPU_ISA", dnnl)
+    envs.set_default("ATEN_CPU_CAPABILITY", aten)
+    envs.set_default("DNNL_MAX_CPU_ISA", dnnl)
     if "torch" in sys.modules:  # imported before pagedllm: it may have fixed its choice already
         import torch
 
-        if torch.backends.cpu.get_cpu_capability().lower() != os.environ["ATEN_CPU_CAPABILITY"].lower():
+        if torch.backends.cpu.get_cpu_capability().lower() != envs.ATEN_CPU_CAPABILITY.lower():
             warnings.warn(
                 f"{ENV}={selected()}: torch already chose {torch.backends.cpu.get_cpu_capability()}; "
                 "set the variable before torch runs, or ATEN_CPU_CAPABILITY / DNNL_MAX_CPU_ISA yourself",

@@ -25,10 +25,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import platform
 import threading
 from collections.abc import Callable
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +75,14 @@ def release_freed_memory() -> None:
 
 
 def _user_tuned() -> bool:
-    return any(name in os.environ for name in _USER_TUNED) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    return any(envs.is_set(name) for name in _USER_TUNED) or "glibc.malloc" in envs.GLIBC_TUNABLES
 
 
 def keep_freed_memory() -> bool:
     """Hold this process's malloc to reusing freed memory (True if glibc took it). Each call that
     returns True is matched by one `stop_keeping_freed_memory`."""
     global _holders
-    if os.environ.get("PAGEDLLM_KEEP_FREED_MEMORY", "1") == "0" or _user_tuned():
+    if not envs.PAGEDLLM_KEEP_FREED_MEMORY or _user_tuned():
         return False
     with _lock:
         if _holders == 0:

@@ -10,11 +10,9 @@ torch imports: `pagedllm/__init__.py` imports it first thing.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from pagedllm import envs
 
 LOGGING_LEVEL_ENV = "PAGEDLLM_LOGGING_LEVEL"
 CONFIGURE_LOGGING_ENV = "PAGEDLLM_CONFIGURE_LOGGING"
@@ -43,7 +41,7 @@ def init_logging(prefix: str = "") -> None:
     """Give the `pagedllm` logger its handler, format and level; later calls only change the
     prefix (the engine-core process names itself)."""
     global _handler
-    if os.environ.get(CONFIGURE_LOGGING_ENV, "1") == "0":
+    if not envs.PAGEDLLM_CONFIGURE_LOGGING:
         return
     root = logging.getLogger("pagedllm")
     if _handler is None:
@@ -55,7 +53,7 @@ def init_logging(prefix: str = "") -> None:
 
 
 def _level_from_env() -> int:
-    name = os.environ.get(LOGGING_LEVEL_ENV, "INFO").strip().upper() or "INFO"
+    name = envs.PAGEDLLM_LOGGING_LEVEL
     level = logging.getLevelName(name)
     if not isinstance(level, int):
         print(f"pagedllm: {LOGGING_LEVEL_ENV}={name!r} is not a logging level; using INFO", file=sys.stderr)
@@ -67,10 +65,3 @@ def level_name() -> str:
     """The `pagedllm` logger's level, for a child process's environment."""
     return logging.getLevelName(logging.getLogger("pagedllm").getEffectiveLevel())
 
-
-@contextmanager
-def log_time(logger: logging.Logger, message: str, *args: object) -> Iterator[None]:
-    """Logs `message % args` with the time the block took appended, at INFO."""
-    start = time.perf_counter()
-    yield
-    logger.info(message + " in %.1f s", *args, time.perf_counter() - start)

@@ -236,21 +236,6 @@ class SamplingParams:
             new.structured_outputs = copy.copy(self.structured_outputs)
         return new
 
-    def update_from_generation_config(
-        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
-    ) -> None:
-        """Extra EOS ids of the model's generation_config become stop tokens."""
-        eos = generation_config.get("eos_token_id")
-        if eos is None:
-            return
-        eos_ids = {eos} if isinstance(eos, int) else set(eos)
-        if model_eos_token_id is not None:
-            eos_ids.discard(model_eos_token_id)
-        if eos_ids:
-            self.all_stop_token_ids.update(eos_ids)
-            if not self.ignore_eos:
-                self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
-
 
 @dataclass
 class BeamSearchParams:

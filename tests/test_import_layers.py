@@ -31,6 +31,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import pagedllm
 
 LAYERS = [
@@ -138,6 +140,81 @@ def test_no_cycle_between_top_level_packages():
 
     cycles = sorted(pkg for pkg in graph if reaches(pkg, pkg, set()))
     assert not cycles, f"packages in an import cycle: {cycles}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the pagedllm modules it imports (a name inside a module resolves to the module);
+    a package's own `__init__` and the package root are left out (re-exports)."""
+    modules = {".".join(_module_parts(p)) for p in ROOT.rglob("*.py")}
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        src = ".".join(_module_parts(path))
+        for _, name in _imported(path):
+            dst = resolve(name)
+            if dst and dst != "pagedllm" and dst != src and not src.startswith(dst + "."):
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def test_no_cycle_between_modules():
+    """Not even through a lazy or TYPE_CHECKING import: a module that needs a name from one that
+    imports it shows a piece living in the wrong file."""
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[str] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "modules in an import cycle:\n" + "\n".join(cycles)
+
+
+def _environ_uses(path: Path, text: str | None = None) -> list[int]:
+    """Lines of `os.environ` / `os.getenv` (however imported) in a file."""
+    tree = ast.parse(path.read_text() if text is None else text)
+    lines = [node.lineno for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+             and isinstance(node.value, ast.Name) and node.value.id == "os"]
+    lines += [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "os"
+              and any(alias.name in ("environ", "getenv") for alias in node.names)]
+    return lines
+
+
+def test_only_envs_reads_the_environment():
+    """Every variable is declared once, with its meaning and default, in pagedllm/envs.py."""
+    found = [f"{path.relative_to(ROOT.parent)}:{line}" for path in sorted(ROOT.rglob("*.py"))
+             if path.name != "envs.py" or path.parent != ROOT for line in _environ_uses(path)]
+    assert not found, "os.environ outside pagedllm/envs.py:\n" + "\n".join(found)
+    assert _environ_uses(ROOT / "x.py", "import os\nfrom os import getenv\nos.environ.get('A')\n") == [3, 2]
+
+
+def test_every_pagedllm_variable_named_in_the_package_is_declared():
+    import re
+
+    from pagedllm import envs
+
+    named = {m for path in ROOT.rglob("*.py") for m in re.findall(r"\"(PAGEDLLM_[A-Z0-9_]+)\"", path.read_text())}
+    assert "PAGEDLLM_CPU_KERNELS" in named
+    assert named <= set(envs.environment_variables), sorted(named - set(envs.environment_variables))
+    for name in [*envs.environment_variables, *envs.OTHER_VARIABLES]:
+        getattr(envs, name)  # each reads without error, set or not
+    with pytest.raises(KeyError, match="not declared"):
+        envs.set_variable("PAGEDLLM_NOT_A_SETTING", "1")
 
 
 def test_the_check_sees_lazy_and_relative_imports():

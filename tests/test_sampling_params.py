@@ -1,7 +1,6 @@
 """SamplingParams itself: invalid values and types are ValueErrors (at construction, or at
-generate() where the model's vocabulary decides), bad prompts likewise, and clone() and
-update_from_generation_config(). The behaviour of each parameter through `LLM`:
-test_sampling_params_{logprobs,penalties,n,stop}.py."""
+generate() where the model's vocabulary decides), bad prompts likewise, and clone(). The
+behaviour of each parameter through `LLM`: test_sampling_params_{logprobs,penalties,n,stop}.py."""
 
 from __future__ import annotations
 
@@ -133,21 +132,3 @@ def test_clone_shares_a_deep_schema_and_never_walks_it():
     assert c.structured_outputs is not p.structured_outputs and c.structured_outputs.json is schema
     c.structured_outputs.disable_any_whitespace = True
     assert p.structured_outputs.disable_any_whitespace is False
-
-
-def test_update_from_generation_config():
-    p = SamplingParams(stop_token_ids=[5])
-    p.update_from_generation_config({"eos_token_id": [1, 106]}, model_eos_token_id=1)
-    assert p.stop_token_ids == [5, 106]
-    assert 106 in p.all_stop_token_ids and 1 not in p.stop_token_ids
-    p.update_from_generation_config({"eos_token_id": [1, 106]}, model_eos_token_id=1)
-    assert p.stop_token_ids == [5, 106]  # no duplicates
-    q = SamplingParams()
-    q.update_from_generation_config({"eos_token_id": 7})
-    assert q.stop_token_ids == [7]
-    r = SamplingParams(ignore_eos=True)
-    r.update_from_generation_config({"eos_token_id": [1, 106]}, model_eos_token_id=1)
-    assert r.stop_token_ids == [] and 106 in r.all_stop_token_ids
-    s = SamplingParams()
-    s.update_from_generation_config({})
-    assert s.stop_token_ids == []

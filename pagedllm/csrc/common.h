@@ -15,6 +15,7 @@
 
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #endif /* PAGEDLLM_COMMON_H */

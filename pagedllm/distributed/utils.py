@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from pagedllm import envs
 
 PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"
 
@@ -11,7 +11,7 @@ def get_pp_indices(num_layers: int, stage: int, num_stages: int) -> tuple[int, i
     """[start, end) of the decoder layers of `stage`. Even shares; the layers left over go one each
     to the stages before the last, from the last-but-one backwards (the last stage also runs the
     norm, the LM head and the sampler). `PAGEDLLM_PP_LAYER_PARTITION="10,14"` sets the counts."""
-    override = os.environ.get(PP_LAYER_PARTITION_ENV)
+    override = envs.PAGEDLLM_PP_LAYER_PARTITION
     if override:
         try:
             counts = [int(x) for x in override.split(",")]

@@ -33,7 +33,6 @@ from pagedllm.config import (
     parse_speculative_config,
     resolve_device,
 )
-from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.models.registry import ModelRegistry
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import (
@@ -134,8 +133,6 @@ class EngineArgs:
         check_quantization(self.quantization, device)
         if device.type == "cuda":
             check_cuda_layout(parallel_config)
-        if device.type == "cpu":
-            cpu_kernels.build_in_background()  # a first start compiles while the model converts
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         model = DEFAULT_POOLING_MODEL if self.model is None and self.runner == "pooling" else self.model

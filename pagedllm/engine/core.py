@@ -14,7 +14,7 @@ from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_state import scheduler_snapshot
 from pagedllm.engine.step_stats import IterationTokens
-from pagedllm.executor import Executor
+from pagedllm.executor import executor_class
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_executor = Executor.get_class(config)(config)
+        self.model_executor = executor_class(config)(config)
         num_blocks = self.model_executor.determine_num_blocks()
         cache, sched = config.cache_config, config.scheduler_config
         capacity = num_blocks * cache.block_size

@@ -21,6 +21,7 @@ import threading
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.logger import LOGGING_LEVEL_ENV, level_name
 
 
@@ -50,7 +51,7 @@ class CoreProcess:
         which breaks scripts without an `if __name__ == "__main__"` guard."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.engine.core_proc", self.input_addr, self.output_addr],
-            stdin=subprocess.PIPE, env={**os.environ, LOGGING_LEVEL_ENV: level_name()},
+            stdin=subprocess.PIPE, env=envs.child_env(**{LOGGING_LEVEL_ENV: level_name()}),
         )
 
     def send_args(self, payload: bytes) -> None:

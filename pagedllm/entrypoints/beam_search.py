@@ -12,14 +12,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.engine.logprobs import Logprob
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.processor import PromptType
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import RequestOutput
+
+
+class Generator(Protocol):
+    """What beam search needs of `LLM`: its engine, its tokenizer and batched `generate`."""
+
+    llm_engine: LLMEngine
+
+    def get_tokenizer(self) -> Any: ...
+
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -97,7 +108,7 @@ def _finalize(inst: _Instance, params: BeamSearchParams, eos_ids: set[int], toke
 
 
 def run_beam_search(
-    llm: LLM, prompts: Sequence[PromptType] | PromptType, params: BeamSearchParams
+    llm: Generator, prompts: Sequence[PromptType] | PromptType, params: BeamSearchParams
 ) -> list[BeamSearchOutput]:
     """Beam search for each prompt; one `BeamSearchOutput` per prompt, in order.
 

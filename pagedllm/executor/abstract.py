@@ -52,24 +52,6 @@ class Executor(ABC):
         parallel = self.config.parallel_config
         return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor for `parallel_config.distributed_executor_backend`."""
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from pagedllm.executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from pagedllm.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from pagedllm.executor.ray_distributed_executor import RayDistributedExecutor
-
-            return RayDistributedExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not available")
-
     @abstractmethod
     def _init_executor(self) -> None:
         """Start the workers and load the model on every rank."""
@@ -89,11 +71,6 @@ class Executor(ABC):
         """KV blocks every rank can hold: the minimum over ranks, since all ranks share the block
         ids (a rank's blocks hold its own kv heads of its own layers)."""
         return min(self.collective_rpc("determine_num_blocks"))
-
-    def initialize_from_config(self, num_blocks: int) -> None:
-        """Allocate every rank's KV cache of `num_blocks` blocks, then warm the ranks up."""
-        self.initialize_cache(num_blocks)
-        self.compile_or_warm_up_model()
 
     def bytes_per_block(self) -> int:
         """KV bytes one block takes on the driver rank."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
@@ -165,7 +166,7 @@ class RayDistributedExecutor(DistributedExecutorBase):
         started_ray = not ray.is_initialized()
         if started_ray:
             # Joins RAY_ADDRESS or a cluster started on this machine, else starts a local instance.
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+            ray.init(address=envs.RAY_ADDRESS, log_to_driver=False)
         self._workers = workers = _RayWorkers(ray, remove_placement_group, started_ray)
         self._finalizer = weakref.finalize(self, workers.close)
         self.worker_pids: list[int] = []

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.structured_output.grammar import clean_message
 from pagedllm.structured_output.limits import TIMEOUT_ENV
 
@@ -72,7 +73,7 @@ class _Worker:
         from_child, child_out = os.pipe()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.structured_output.compile_worker", str(child_in), str(child_out)],
-            pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=envs.child_env(OMP_NUM_THREADS="1"))
         os.close(child_in)
         os.close(child_out)
         self.send = Connection(to_child, readable=False)

@@ -11,10 +11,10 @@ killing the compiling process (compile_pool.py).
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.sampling_params import StructuredOutputsParams
 
 MAX_CHOICES = 2048  # entries of a `choice`
@@ -48,7 +48,7 @@ def env_workers() -> int:
 
 
 def _env_positive(name: str, default: float, kind: type) -> Any:
-    raw = os.environ.get(name)
+    raw = getattr(envs, name)
     try:
         value = kind(raw) if raw else default
     except ValueError:

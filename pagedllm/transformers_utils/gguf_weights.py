@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
 from pagedllm.transformers_utils.gguf_archs import (
     EXPERTS,
     IGNORED_TENSORS,
@@ -32,7 +33,6 @@ from pagedllm.transformers_utils.gguf_archs import (
     split_experts,
     transposed_in_file,
 )
-from pagedllm.transformers_utils.weight_utils import CheckpointTensor
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 
+from pagedllm import envs
 from pagedllm.transformers_utils.default_model import (
     DEFAULT_MODEL,
     DEFAULT_POOLING_MODEL,
@@ -29,7 +30,7 @@ def is_hub_id(name: str) -> bool:
 def _offline() -> bool:
     from huggingface_hub import constants
 
-    value = os.environ.get("HF_HUB_OFFLINE")
+    value = envs.HF_HUB_OFFLINE
     return value.strip().lower() in ("1", "true", "yes", "on") if value is not None else constants.HF_HUB_OFFLINE
 
 
@@ -38,7 +39,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: s
     """The local snapshot directory of a Hub repository: from the cache, else downloaded."""
     from huggingface_hub import constants, snapshot_download
 
-    cache = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    cache = download_dir or envs.HF_HUB_CACHE or constants.HF_HUB_CACHE
     patterns = _COMMON + _WEIGHTS.get(load_format, ["*.safetensors"]) if what == "model" else _COMMON
     where = f"{what} {repo_id!r} (revision {revision or 'main'})"
     try:

@@ -204,12 +204,6 @@ class ModelRunner:
             kv[:, dst] = kv[:, src]
 
     # ---- one step ---------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
-        """One whole step, for a caller that has its grammar bitmask already. The engine core
-        calls the halves and fills the bitmask between them, while the forward pass runs."""
-        self.forward(sched)
-        return self.sample_tokens(grammar_output)
-
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> None:
         """The step's forward pass (and its prompt logprobs); `sample_tokens` ends the step."""

@@ -18,6 +18,7 @@ from pagedllm.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -42,6 +43,7 @@ class Worker:
         device = self.config.device_config.device
         parallel = self.config.parallel_config
         if device.type == "cpu":
+            cpu_kernels.build_in_background()  # a first start compiles on one core while the weights load
             if not self.keeps_freed_memory:
                 self.keeps_freed_memory = keep_freed_memory()
             if self.num_threads:

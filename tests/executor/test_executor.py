@@ -11,7 +11,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
-from pagedllm.executor import Executor
+from pagedllm.executor import executor_class
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 
 
@@ -23,7 +23,7 @@ def llm(tiny_llama):
 def test_the_engine_core_runs_on_a_uniproc_executor(llm):
     core = llm.llm_engine.engine_core
     executor = core.model_executor
-    assert type(executor) is Executor.get_class(core.config) is UniProcExecutor
+    assert type(executor) is executor_class(core.config) is UniProcExecutor
     assert executor.collective_rpc("determine_num_blocks") == [executor.driver_worker.determine_num_blocks()]
     assert executor.determine_num_blocks() == core.config.cache_config.num_blocks
     assert executor.determine_available_memory() == [1 << 24]

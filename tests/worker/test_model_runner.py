@@ -59,6 +59,12 @@ class _Messages:
         return out
 
 
+def _step(runner: ModelRunner, sched: SchedulerOutput):
+    """One whole step as the worker runs it: the forward pass, then the sampling."""
+    runner.forward(sched)
+    return runner.sample_tokens(None)
+
+
 def _req(req_id, prompt, output, start, end, blocks, **params) -> tuple:
     return (req_id, prompt, output, start, end, blocks, params)
 
@@ -80,7 +86,7 @@ def test_greedy_tokens_over_chunks_and_decodes_match_transformers(runner, tiny_l
 
     # Step 1: the first 7 tokens of a (no sample), all of b (samples its first token).
     sched = messages.step(_req("a", a, out_a, 0, 7, blocks["a"]), _req("b", b, out_b, 0, len(b), blocks["b"]))
-    result = runner.execute_model(sched)
+    result = _step(runner, sched)
     assert result.req_ids == ["a", "b"] and result.sampled_token_ids[0] is None
     out_b += result.sampled_token_ids[1]
     # Step 2: the rest of a's prompt next to b's decode; then decodes of both.
@@ -89,7 +95,7 @@ def test_greedy_tokens_over_chunks_and_decodes_match_transformers(runner, tiny_l
         start_a, end_a, start_b = step or (len(a) + len(out_a) - 1, len(a) + len(out_a), len(b) + len(out_b) - 1)
         sched = messages.step(_req("a", a, out_a, start_a, end_a, blocks["a"]),
                               _req("b", b, out_b, start_b, start_b + 1, blocks["b"]))
-        result = runner.execute_model(sched)
+        result = _step(runner, sched)
         assert all(len(t) == 1 for t in result.sampled_token_ids)
         out_a += result.sampled_token_ids[0]
         out_b += result.sampled_token_ids[1]
@@ -109,7 +115,7 @@ def test_prompt_logprobs_of_each_chunk_match_transformers(runner, tiny_llama):
     messages = _Messages()
     for start, end in ((0, 7), (7, len(a))):
         sched = messages.step(_req("p", a, [], start, end, [2, 30], prompt_logprobs=1))
-        entries += runner.execute_model(sched).prompt_logprobs["p"]
+        entries += _step(runner, sched).prompt_logprobs["p"]
     # Position p predicts token p + 1: 7 entries from the first chunk, 3 from the second.
     assert len(entries) == len(a) - 1
     for p, (ids, vals, rank) in enumerate(entries):

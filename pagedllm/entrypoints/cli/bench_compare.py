@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.entrypoints.cli.bench_serve import _run, add_workload_args, check_workload_args
 
 LATENCIES = (("ttft", "median", "TTFT p50"), ("ttft", "p90", "TTFT p90"), ("ttft", "p99", "TTFT p99"),
@@ -201,7 +202,7 @@ def launched_server(name: str, cmd_for_port: Callable[[int], list[str]], timeout
     url = f"http://127.0.0.1:{port}"
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=None if env is None else os.environ | env)
+                                env=None if env is None else envs.child_env(**env))
     except BaseException:
         log.close()
         os.unlink(log.name)

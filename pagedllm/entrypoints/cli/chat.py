@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from pagedllm import envs
 
 API_KEY_ENVS = ("OPENAI_API_KEY", "PAGEDLLM_API_KEY")
 PROMPT = "> "
@@ -40,7 +41,7 @@ class Client:
     def __init__(self, args: argparse.Namespace) -> None:
         import httpx
 
-        key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+        key = args.api_key or next((getattr(envs, e) for e in API_KEY_ENVS if getattr(envs, e)), None)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.url = args.url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(30.0, read=None))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from pagedllm import envs
+
 # Distributions whose versions change pagedllm's behaviour, in report order.
 PACKAGES = ("torch", "transformers", "tokenizers", "xgrammar", "gguf", "safetensors", "numpy", "fastapi",
             "uvicorn", "pydantic", "msgspec", "pyzmq", "openai")
@@ -48,7 +50,7 @@ def collect_env() -> list[tuple[str, str]]:
         ("C kernels", _guard(_kernels)),
         ("CUDA", _guard(_cuda)),
     ]
-    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("PAGEDLLM_") and "KEY" not in k)
+    env = [f"{k}={v}" for k, v in envs.pagedllm_settings().items() if "KEY" not in k]
     rows.append(("PAGEDLLM_* variables", " ".join(env) or "none set"))
     return rows
 
@@ -100,13 +102,13 @@ def _cores() -> str:
 def _cpu_isa() -> str:
     from pagedllm import cpu_isa
 
-    asked = os.environ.get(cpu_isa.ENV)
+    asked = envs.PAGEDLLM_CPU_ISA or None
     return (f"{cpu_isa.selected()} (CPU: {cpu_isa.detected()}; {cpu_isa.ENV}={asked or 'unset'}; "
             f"torch: {_torch().backends.cpu.get_cpu_capability()})")
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC", "gcc")
+    cc = envs.CC
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -119,7 +121,7 @@ def _kernels() -> str:
     from pagedllm import cpu_isa
     from pagedllm.model_executor.layers import cpu_kernels
 
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+    if not envs.PAGEDLLM_CPU_KERNELS:
         return "off (PAGEDLLM_CPU_KERNELS=0): torch ops"
     isa = cpu_kernels.loaded_isa()
     if isa is None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import time
 
+from pagedllm import envs
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 from pagedllm.entrypoints.openai.server_config import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -111,7 +111,7 @@ def add_serve_parser(subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
+        args.api_key = envs.PAGEDLLM_API_KEY
     # uvicorn re-raises the signal that stopped it once it has shut down; turning SIGINT and SIGTERM
     # into KeyboardInterrupt lets the engine shut down after it. asyncio.run keeps a SIGINT handler
     # it did not install; its own would only cancel the main task, which the blocking start-up (GGUF

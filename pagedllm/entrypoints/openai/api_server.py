@@ -24,6 +24,7 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.body_checks import MAX_JSON_DEPTH
 from pagedllm.entrypoints.openai.conversation_limits import ConversationLimits
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.openapi import drop_validation_responses, responses
@@ -61,7 +62,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_conversations import OpenAIServingConversations
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import run_blocking
 from pagedllm.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
     OpenAIServingModels,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -29,7 +30,6 @@ from pagedllm.entrypoints.openai.protocol import (
     random_tool_call_id,
 )
 from pagedllm.entrypoints.openai.server_config import MAX_PARALLEL_TOOL_CALLS
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedOutput, ToolParser, is_json_object
 from pagedllm.entrypoints.openai.tool_parsers.json_scan import Status, scan_call_sequence, skip_ws
 from pagedllm.sampling_params import StructuredOutputsParams

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 
 T = TypeVar("T")
 

@@ -10,8 +10,9 @@ import hmac
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, random_id
+from pagedllm.entrypoints.openai.serving_engine import random_id
 
 
 class RequestIdMiddleware:

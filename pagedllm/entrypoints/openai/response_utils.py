@@ -70,21 +70,6 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def completion_logprobs(
-    token_ids: list[int],
-    logprobs: list[dict[int, Logprob] | None],
-    top_n: int,
-    tokenizer: Any,
-    initial_offset: int = 0,
-    *,
-    text: str | None = None,
-    special_ids: Collection[int] = (),
-) -> CompletionLogProbs:
-    """The legacy format (completion_logprobs_with_end, without the end offset)."""
-    return completion_logprobs_with_end(token_ids, logprobs, top_n, tokenizer, initial_offset,
-                                        text=text, special_ids=special_ids)[0]
-
-
 def completion_logprobs_with_end(
     token_ids: list[int],
     logprobs: list[dict[int, Logprob] | None],

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.responses_builder import TERMINAL, ResponseBuilder
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.chat_tools import (
     tool_constraint,
     tool_mode,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,7 +40,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.server_config import ServerConfig
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, random_id, run_blocking
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.fan_out import check_sequences, feed_gradually, scheduler_limits, window
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
@@ -33,7 +34,7 @@ from pagedllm.entrypoints.openai.response_utils import (
     special_token_ids,
     usage_info,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, random_id, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, random_id, run_blocking
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.stream_utils import (
     SSE_DONE,

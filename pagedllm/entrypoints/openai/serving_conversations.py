@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from pagedllm.entrypoints.openai.conversation_limits import ConversationLimitError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.responses_items import check_metadata, new_id, normalize_input
 from pagedllm.entrypoints.openai.responses_protocol import (
     ConversationCreateRequest,
@@ -15,7 +16,6 @@ from pagedllm.entrypoints.openai.responses_protocol import (
     ConversationUpdateRequest,
 )
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_stored_responses import page
 
 

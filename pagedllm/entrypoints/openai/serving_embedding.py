@@ -10,6 +10,7 @@ import uuid
 
 import numpy as np
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -22,7 +23,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
     PoolingRequest,
     PoolingResponse,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_blocking
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 

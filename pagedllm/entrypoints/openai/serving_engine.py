@@ -1,4 +1,4 @@
-"""What chat and text completions share: OpenAI-style errors, the served-model check,
+"""What chat and text completions share: the served-model check,
 request → SamplingParams, the context-length check, and the engine call wrapped with
 metrics and a guaranteed abort (a request that stops being read must free its blocks)."""
 
@@ -13,20 +13,17 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from fastapi.responses import JSONResponse
+from typing import Any, TypeVar
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import SamplingRequest
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,41 +32,6 @@ T = TypeVar("T")
 # one costly request never stalls /health or the streams of others. Shared by every route:
 # the tokenizer is used from these threads and the loop at once, read-only.
 _PREP_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-prep")
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "internal_server_error",
-    503: "service_unavailable_error",
-}
-
-
-class OpenAIError(Exception):
-    """Raised anywhere while serving; the app turns it into an OpenAI error body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
-        super().__init__(message)
-        # Messages may quote the request (a field name, a value): a lone surrogate from it
-        # would make the UTF-8 encoding of the error body itself fail.
-        self.message = _printable(message)
-        self.status = status
-        self.param = _printable(param) if param is not None else None
-        self.err_type = err_type or ERROR_TYPES.get(status, "invalid_request_error")
-
-    def to_body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=self.status)
-        return ErrorResponse(error=info).model_dump()
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_body(), status_code=self.status)
-
-
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
 
 def random_id() -> str:
     return uuid.uuid4().hex
@@ -145,8 +107,6 @@ class OpenAIServing:
     ) -> None:
         """`models`: the server's shared registry of names (base and LoRA), or just base names."""
         if isinstance(models, list):
-            from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-
             models = OpenAIServingModels(engine, models)
         self.models = models
         self.engine = engine

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from pydantic import Field
 
+from pagedllm import envs
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, TopLevelRequest
 from pagedllm.entrypoints.openai.server_config import LoRAModulePath
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ RUNTIME_LORA_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
 def runtime_lora_updating_allowed() -> bool:
     """Loading adapters over HTTP lets a client make the server read any directory it can
     reach, so the routes exist only when the operator opts in (vLLM's rule)."""
-    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    return envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 
 class LoadLoRAAdapterRequest(TopLevelRequest):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.chat_tools import tool_constraint, tool_mode
 from pagedllm.entrypoints.openai.conversation_limits import ConversationLimitError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.response_utils import DeltaTracker, chat_logprobs
 from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
@@ -34,7 +35,7 @@ from pagedllm.entrypoints.openai.responses_items import (
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.responses_session import ResponseRegistry, ResponseSession, follow
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import run_blocking
 from pagedllm.entrypoints.openai.stream_utils import EngineStreamingResponse, run_until_disconnected
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.grammar import validate

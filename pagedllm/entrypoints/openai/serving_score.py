@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.pooling_protocol import (
     EmbeddingUsage,
     RerankDocument,
@@ -18,7 +19,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
     ScoreResponse,
 )
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import run_blocking
 from pagedllm.pooling_params import PoolingParams, cosine, cross_encoder_prompt, pair_up
 
 

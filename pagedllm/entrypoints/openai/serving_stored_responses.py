@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.responses_builder import ResponseBuilder
 from pagedllm.entrypoints.openai.responses_items import new_id, normalize_item, pending_calls
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, ToolOutputsRequest
 from pagedllm.entrypoints.openai.responses_session import ResponseSession, follow, replay
 from pagedllm.entrypoints.openai.responses_store import StoredResponse
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from pagedllm.entrypoints.chat_utils import default_chat_template
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -16,7 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, run_blocking
+from pagedllm.entrypoints.openai.serving_engine import run_blocking
 
 # Init arguments that name files or directories of the server (vocab_file, name_or_path,
 # cache_dir, ...): never shown to clients.

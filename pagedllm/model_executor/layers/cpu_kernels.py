@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import threading
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import cpu_isa
+from pagedllm import cpu_isa, envs
 from pagedllm.cache_files import mark_used, prune_stale, write_atomically
 from pagedllm.envs import cache_root
 
@@ -41,23 +42,10 @@ logger = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # -ffp-contract=off: no fused multiply-adds the code did not write, so a value computed by two
 # paths (a batch-1 fast path and the general one) rounds the same in both.
-_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "pl_w8a16_linear": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
-    "pl_u8s8_rank": [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I],
-    "pl_i8_row_sums": [_P, _L, _L, _P, _I],
-    "pl_w4a16_linear": [_P, _I, _L, _L, _P, _P, _L, _P, _L, _P, _I, _I],
-    "pl_paged_decode_attention": [_P, _L, _L, _L, _L, _P, _P, _L, _I, _P, _L, _P, _L, _F, _P, _I],
-    "pl_rms_norm": [_P, _L, _L, _L, _L, _L, _I, _P, _F, _I, _P, _P, _I],
-    "pl_topk_indices": [_P, _I, _L, _L, _L, _P, _I],
-    "pl_rescore_logits": [_P, _I, _L, _L, _P, _I, _P, _L, _P, _I, _L, _I],
-    "pl_act_and_mul": [_P, _I, _L, _L, _I, _P, _I],
-    "pl_argmax_rows": [_P, _I, _L, _L, _L, _P, _I],
-    "pl_qk_norm_rope": [_P, _I, _L, _L, _L, _L, _L, _P, _P, _F, _I, _P, _P, _P, _L, _P, _P, _I],
-    "pl_gguf_linear": [_I, _P, _L, _L, _L, _P, _I, _L, _P, _P, _I, _L, _I],
-    "pl_gguf_dequantize": [_I, _P, _L, _L, _P, _L, _P, _I, _L, _I],
-}
+# -Werror=missing-prototypes: a function the library exports must be declared in kernels.h.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes"]
+_HEADER = _SOURCE_DIR / "kernels.h"  # the exports, declared once: the C includes it, ctypes reads it
+_C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
 _X86_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _X86_AVX512 = [*_X86_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _STALE_SECONDS = 24 * 3600
@@ -115,9 +103,9 @@ _plans: dict[tuple[str, ...], _BuildPlan] = {}
 def _build_plan(isa: str) -> _BuildPlan:
     """Made once per process for each environment (`build_in_background` and `kernels()`
     both ask): it runs `cc --version` and hashes the sources."""
-    cc = os.environ.get("CC", "gcc")
+    cc = envs.CC
     # e.g. PAGEDLLM_KERNEL_CFLAGS="-g -fsanitize=address" (run with libasan preloaded) to debug
-    flags = _FLAGS + isa_flags(isa) + os.environ.get("PAGEDLLM_KERNEL_CFLAGS", "").split()
+    flags = _FLAGS + isa_flags(isa) + envs.PAGEDLLM_KERNEL_CFLAGS.split()
     cache_dir = _cache_dir()
     memo = (isa, cc, *flags, str(cache_dir))
     if (plan := _plans.get(memo)) is not None:
@@ -160,7 +148,7 @@ def build_in_background() -> None:
     """Start compiling the selected level's library on a daemon thread: gcc runs on another core
     while a first start converts the model, and `kernels()` then finds the library built. The
     command and cache path are read here, in the caller's environment."""
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0" or _lib is not _UNSET:
+    if not envs.PAGEDLLM_CPU_KERNELS or _lib is not _UNSET:
         return
     try:
         plan = _build_plan(cpu_isa.selected())
@@ -178,6 +166,27 @@ def build_in_background() -> None:
     threading.Thread(target=build, name="pagedllm-kernel-build", daemon=True).start()
 
 
+def exports(header: str | None = None) -> dict[str, list[type]]:
+    """Each `void pl_*(...)` that kernels.h (or `header`, its text) declares, with the ctypes
+    types of its parameters: any pointer a void pointer, `int64_t`, `int` and `float` as such."""
+    text = re.sub(r"/\*.*?\*/", " ", _HEADER.read_text() if header is None else header, flags=re.S)
+    found = {}
+    for name, params in re.findall(r"\bvoid\s+(pl_\w+)\s*\(([^)]*)\)\s*;", text):
+        argtypes = []
+        for param in params.split(","):
+            words = param.replace("*", " * ").split()
+            base = [w for w in words[:-1] if w != "const"]
+            if "*" in words:
+                argtypes.append(ctypes.c_void_p)
+            elif len(base) == 1 and base[0] in _C_TYPES:
+                argtypes.append(_C_TYPES[base[0]])
+            else:
+                raise ValueError(f"kernels.h: {name}'s parameter {param.strip()!r} is not a pointer, int, "
+                                 f"int64_t or float")
+        found[name] = argtypes
+    return found
+
+
 def _build(isa: str) -> ctypes.CDLL:
     plan = _build_plan(isa)
     for attempt in range(2):
@@ -191,7 +200,7 @@ def _build(isa: str) -> ctypes.CDLL:
             if attempt:
                 raise
             target.unlink(missing_ok=True)
-    for name, argtypes in _SIGNATURES.items():
+    for name, argtypes in exports().items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.pl_isa = isa
@@ -253,7 +262,7 @@ def kernels() -> ctypes.CDLL | None:
     if _lib is _UNSET:
         _lib = None
         isa = cpu_isa.selected()
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+        if envs.PAGEDLLM_CPU_KERNELS:
             try:
                 _lib = _build(isa)
                 logger.info("CPU kernels: %s path", describe(isa))

@@ -30,7 +30,7 @@ from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
 from pagedllm.model_executor.layers.lora import LinearLoRA
 from pagedllm.model_executor.layers.quantization import WeightOnlyQuant
-from pagedllm.transformers_utils.weight_utils import CheckpointTensor
+from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
 
 
 def native_gguf(loaded: torch.Tensor | CheckpointTensor) -> bool:

@@ -18,7 +18,7 @@ from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
 from pagedllm.model_executor.layers.linear import native_gguf
 from pagedllm.model_executor.layers.quantization import QuantizedLMHead
-from pagedllm.transformers_utils.weight_utils import CheckpointTensor
+from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
 
 
 class _VocabShard:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pagedllm import envs
 from pagedllm.cache_files import mark_used, prune_stale, write_atomically
 from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
@@ -46,7 +47,7 @@ def cache_dir() -> Path:
 def cache_file(model_path: str, mode: str, dtype: torch.dtype, module_names: list[str], shard: str) -> Path | None:
     """Where this model's quantized weights are cached; None when caching is off or the
     checkpoint has no weight files to key it by."""
-    if os.environ.get("PAGEDLLM_QUANT_CACHE", "1") == "0" or not os.path.isdir(model_path):
+    if not envs.PAGEDLLM_QUANT_CACHE or not os.path.isdir(model_path):
         return None
     files = sorted(p for p in Path(model_path).iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     if not files:
@@ -67,7 +68,7 @@ def _keyed_file(code: tuple[Path, ...], *parts: str) -> Path:
 def gguf_head_file(gguf_path: str, shard: str) -> Path | None:
     """Where a GGUF file's LM-head ranking copies (`GGUFRankedHead`) are cached: keyed by the
     file (path, size, modification time), the code that makes them and the kernel level."""
-    if os.environ.get("PAGEDLLM_QUANT_CACHE", "1") == "0" or not os.path.isfile(gguf_path):
+    if not envs.PAGEDLLM_QUANT_CACHE or not os.path.isfile(gguf_path):
         return None
     st = os.stat(gguf_path)
     return _keyed_file((*_CODE, *_GGUF_HEAD_CODE), "gguf head", os.path.realpath(gguf_path),

@@ -6,12 +6,12 @@ each rank's slice of the logits."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.forward_context import get_attention_metadata
 from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
@@ -144,7 +144,7 @@ class Gemma3Model(nn.Module):
             if md.decode_token_idx is None:
                 return None  # set up on a step with a decode
             try:
-                if os.environ.get("PAGEDLLM_DECODE_PLAN", "1") == "0":
+                if not envs.PAGEDLLM_DECODE_PLAN:
                     raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
                 plans = DecodePlans(self)
             except Unsupported as e:

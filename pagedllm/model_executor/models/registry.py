@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 
 from torch import nn
+
+from pagedllm import envs
 
 OOT_MODELS_ENV = "PAGEDLLM_OOT_MODELS"
 
@@ -43,7 +44,7 @@ _OOT_CLASSES: dict[str, type[nn.Module]] = {}  # registered as classes, in this 
 
 def _oot_specs() -> dict[str, str]:
     try:
-        specs = json.loads(os.environ.get(OOT_MODELS_ENV) or "{}")
+        specs = json.loads(envs.PAGEDLLM_OOT_MODELS or "{}")
     except ValueError:
         return {}
     return specs if isinstance(specs, dict) else {}
@@ -67,7 +68,7 @@ class ModelRegistry:
             raise ValueError(f"register_model takes a class or 'module:Class', got {type(model_cls).__name__}")
         specs = _oot_specs()
         specs[architecture] = spec
-        os.environ[OOT_MODELS_ENV] = json.dumps(specs)
+        envs.set_variable(OOT_MODELS_ENV, json.dumps(specs))
 
     @staticmethod
     def get_supported_archs() -> list[str]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.distributed import get_pp_group, get_pp_indices
 from pagedllm.model_executor.layers.linear import default_weight_loader
-from pagedllm.transformers_utils.weight_utils import CheckpointTensor
+from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from pagedllm.engine.logprobs import Logprob
 from pagedllm.entrypoints.chat_utils import ALLOWED_ROLES
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
@@ -23,12 +24,11 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.response_utils import (
     DeltaTracker,
     chat_logprobs,
-    completion_logprobs,
     completion_logprobs_with_end,
     output_usage,
     prompt_logprobs_json,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.stream_utils import SSE_DONE, chunk_json, merge_async_iterators, peek_all, sse
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -226,7 +226,7 @@ def test_chat_logprobs_format():
 def test_completion_logprobs_format_with_echoed_prompt():
     entries = [None, {4: Logprob(-1.0, 3, "lo"), 6: Logprob(-0.5, 1, "p")},
                {7: Logprob(-0.2, 1, "!"), 8: Logprob(-0.9, 2, "?")}]
-    lp = completion_logprobs([3, 4, 7], entries, top_n=1, tokenizer=_Tok(), initial_offset=0).model_dump()
+    lp = completion_logprobs_with_end([3, 4, 7], entries, top_n=1, tokenizer=_Tok(), initial_offset=0)[0].model_dump()
     assert lp["tokens"] == ["<3>", "lo", "!"] and lp["text_offset"] == [0, 3, 5]
     assert lp["token_logprobs"] == [None, -1.0, -0.2]
     assert lp["top_logprobs"] == [None, {"p": -0.5, "lo": -1.0}, {"!": -0.2}]  # top-1 plus the sampled token
@@ -244,7 +244,7 @@ def test_completion_logprobs_special_tokens_absent_from_the_text_take_no_room():
     # a stream chunk: its text starts at the initial offset
     lp, end = completion_logprobs_with_end([7, 9], entries[2:], 1, _Tok(), 5, text="!", special_ids={9})
     assert lp.text_offset == [5, 6] and end == 6
-    assert completion_logprobs([3, 4], entries[:2], 1, _Tok()).text_offset == [0, 3]  # no text: lengths only
+    assert completion_logprobs_with_end([3, 4], entries[:2], 1, _Tok())[0].text_offset == [0, 3]  # lengths only
 
 
 def test_prompt_logprobs_json_and_usage():

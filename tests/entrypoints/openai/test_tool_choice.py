@@ -21,8 +21,8 @@ from pagedllm.entrypoints.openai.chat_tools import (
     tool_constraint,
     tool_mode,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.server_config import ServerConfig
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.structured_output.grammar import recipe
 from tests.entrypoints.openai.conftest import CHAT_TEMPLATE

@@ -4,6 +4,7 @@ compiler, a failing one, turned off), `kernels()` is None and the layers use tor
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import stat
@@ -148,3 +149,45 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     for p in fresh.glob("*.so"):
         p.unlink()
     assert _reload(monkeypatch) is not None and len(list(fresh.glob("*.so"))) == 1
+
+
+def _defined_exports() -> set[str]:
+    """The `pl_*` functions the C files define."""
+    import re
+
+    return {name for path in cpu_kernels._SOURCE_DIR.glob("*.c")
+            for name in re.findall(r"^void (pl_\w+)\(", path.read_text(), flags=re.M)}
+
+
+def test_every_export_is_declared_in_the_header_and_bound_from_it():
+    declared = cpu_kernels.exports()
+    assert set(declared) == _defined_exports()
+    assert declared["pl_i8_row_sums"] == [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_int]
+    assert declared["pl_rms_norm"][8] is ctypes.c_float  # eps
+    lib = cpu_kernels.kernels()
+    if lib is None:
+        pytest.skip("no C kernels on this machine")
+    for name, argtypes in declared.items():
+        assert getattr(lib, name).argtypes == argtypes, name
+
+
+def test_a_parameter_the_binding_cannot_express_is_a_clear_error():
+    with pytest.raises(ValueError, match="pl_x's parameter 'double y'"):
+        cpu_kernels.exports("/* a comment: void pl_y(double z); */ void pl_x(int a, double y);")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+@pytest.mark.parametrize("source", [
+    "void pl_i8_row_sums(const int8_t *w, int64_t n, int32_t *out, int nthreads) {}",  # drifted from the header
+    "void pl_undeclared(int nthreads) {}",  # exported, declared nowhere
+], ids=["drifted", "undeclared"])
+def test_the_build_refuses_an_export_the_header_does_not_declare_as_defined(tmp_path, source):
+    import subprocess
+
+    (tmp_path / "probe.c").write_text(f'#include "common.h"\n{source}\n')
+    flags = [f for f in cpu_kernels._FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = ["gcc", *flags, "-fsyntax-only", "-I", str(cpu_kernels._SOURCE_DIR), str(tmp_path / "probe.c")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode != 0 and ("conflicting types" in done.stderr or "missing-prototypes" in done.stderr), \
+        done.stderr

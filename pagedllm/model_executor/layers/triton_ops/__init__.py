@@ -6,12 +6,12 @@ CPU install needs no Triton."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from pagedllm import envs
 
 
 def use_triton_attention(device: torch.device) -> bool:
     """Whether a forward pass on `device` reads its K/V through the Triton kernels: always on
     CUDA; on CPU when PAGEDLLM_ATTENTION_BACKEND=triton (with TRITON_INTERPRET=1)."""
-    return device.type == "cuda" or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
+    return device.type == "cuda" or envs.PAGEDLLM_ATTENTION_BACKEND == "triton"

@@ -11,11 +11,11 @@ of a decode batch fixes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm import envs
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def unified_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     # Triton's CPU interpreter multiplies 16-bit floats by their bits: it gets exact float32
     # copies (the tensor cores also sum in float32).
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = envs.TRITON_INTERPRET
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
