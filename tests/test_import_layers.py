@@ -217,6 +217,36 @@ def test_every_pagedllm_variable_named_in_the_package_is_declared():
         envs.set_variable("PAGEDLLM_NOT_A_SETTING", "1")
 
 
+def _scheduler_uses(text: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every `<...>.scheduler.<attribute>` and `scheduler.<attribute>`."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute):
+            inner = node.value
+            named = (isinstance(inner, ast.Attribute) and inner.attr == "scheduler") or \
+                (isinstance(inner, ast.Name) and inner.id == "scheduler")
+            if named:
+                found.append((node.lineno, node.attr))
+    return found
+
+
+def test_outside_core_a_scheduler_is_used_through_its_interface_only():
+    from pagedllm.core.interface import SchedulerInterface
+
+    allowed = {name for name in dir(SchedulerInterface) if not name.startswith("_")}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if (ROOT / "core") in path.parents:
+            continue
+        text = path.read_text()
+        found += [f"{path.relative_to(ROOT.parent)}:{line} .{attr}" for line, attr in _scheduler_uses(text)
+                  if attr not in allowed]
+        found += [f"{path.relative_to(ROOT.parent)}:{line} imports {name}" for line, name in _imported(path, text)
+                  if name == "pagedllm.core.scheduler_state"]
+    assert not found, "scheduler internals used outside core/:\n" + "\n".join(found)
+    assert _scheduler_uses("self.scheduler.running\nscheduler.schedule()\n") == [(1, "running"), (2, "schedule")]
+
+
 def test_the_check_sees_lazy_and_relative_imports():
     """The scanner itself: imports inside a function, under TYPE_CHECKING and relative ones are found."""
     src = (

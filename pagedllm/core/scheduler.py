@@ -12,16 +12,20 @@ the prompt while the others wait, then every sibling that fits forks the prompt'
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.interface import SchedulerInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.request_update import admissible_drafts, num_lookahead_slots, update_request_with_output
-from pagedllm.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.scheduler_state import scheduler_snapshot
 from pagedllm.protocol import EngineCoreOutput
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
@@ -46,7 +50,7 @@ def shares_prompt(request: Request) -> bool:
     )
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -54,6 +58,7 @@ class Scheduler:
         structured_output_manager=None,
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        pipeline_depth: int = 1,
     ) -> None:
         self.config = scheduler_config
         # Most distinct LoRA adapters among the running requests (the workers' slots); None: no LoRA.
@@ -81,7 +86,7 @@ class Scheduler:
         self.num_steps_in_flight: dict[str, int] = {}
         # Steps the engine core keeps in flight (pipeline stages): the running requests are split
         # over that many steps, so each stage has a batch to work on while the next one runs.
-        self.pipeline_depth = 1
+        self.pipeline_depth = pipeline_depth
         # Requests whose id an ended request's step in flight still carries: added once it is back.
         self.deferred: dict[str, Request] = {}
         # The workers append their own samples, and the next step is scheduled before this one's
@@ -90,6 +95,8 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.deferred:
+            raise ValueError(f"request id {request.request_id!r} is already running")
         if request.request_id in self.num_steps_in_flight:
             # An earlier request of this id ended while a step of its is in flight (async
             # scheduling, pipeline parallel): that step's row must not reach this one.
@@ -148,9 +155,6 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.deferred)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
 
     # ---- scheduling -------------------------------------------------------
     def _preempt(self, request: Request) -> None:
@@ -308,15 +312,42 @@ class Scheduler:
             self._release_idle_group(group_id)
         return self._build_output(num_scheduled, preempted)
 
-    def lora_stats(self) -> dict[str, float]:
-        """Running and waiting requests per adapter: "lora_running:NAME", "lora_waiting:NAME"."""
-        stats: dict[str, float] = {}
+    def get_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        grammar_reqs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)  # async scheduling: the step before may have ended it
+            # It samples when this step reaches its last known token (schedule() advanced it).
+            if (request is not None and request.structured_output is not None
+                    and request.num_computed_tokens >= request.num_tokens):
+                grammar_reqs.append((req_id, request.structured_output, drafts.get(req_id, [])))
+        filled = self.structured_output_manager.grammar_bitmask(grammar_reqs) if grammar_reqs else None
+        return None if filled is None else GrammarOutput(filled[1], filled[0])
+
+    # ---- views ------------------------------------------------------------
+    def make_stats(self) -> dict[str, float]:
+        """With LoRA, also the running and waiting requests per adapter ("lora_running:NAME",
+        "lora_waiting:NAME")."""
+        kv = self.kv_cache_manager
+        pc = kv.prefix_cache_stats
+        stats = {"num_running": len(self.running), "num_waiting": len(self.waiting), "kv_cache_usage": kv.usage,
+                 "num_free_blocks": kv.get_num_free_blocks(), "num_total_blocks": kv.block_pool.num_blocks,
+                 "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
+                 "prefix_cache_hit_rate": pc.hit_rate, "num_preemptions": self.num_preemptions}
+        if self.speculative_config is not None:
+            stats.update(self.spec_decoding_stats.as_dict())
         for prefix, requests in (("lora_running:", self.running), ("lora_waiting:", self.waiting)):
-            for r in requests:
+            for r in requests if self.max_loras is not None else ():
                 if r.lora_request is not None:
                     key = prefix + r.lora_request.lora_name
                     stats[key] = stats.get(key, 0) + 1
         return stats
+
+    def snapshot(self) -> dict[str, Any]:
+        return scheduler_snapshot(self.kv_cache_manager, self.running, self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def _fail_grammar(self, request: Request) -> None:
         error = request.structured_output.error  # read before _free_request drops it
@@ -420,6 +451,7 @@ class Scheduler:
         self.finished_req_ids = set()
         self.block_copies = []
         cached = out.scheduled_cached_reqs
+        now = time.time()
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is None:
@@ -431,6 +463,8 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[req_id] = spec
             request.spec_token_ids = []  # verified this step; the drafter proposes anew after it
             block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            if request.first_scheduled_time is None:  # for the front's queue and prefill times
+                request.first_scheduled_time = now
             if request.num_synced_tokens == 0:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,

@@ -5,12 +5,12 @@ a second, so it is built in one pass over the pool and the queues and stays msgs
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagedllm.core.scheduler import Scheduler
 
 # Cells of the block map sent at most: a page draws one cell per block, and past this many the
 # picture stops being readable anyway. `num_blocks` still says the pool's real size.
@@ -21,8 +21,7 @@ MAX_BLOCK_CELLS = 16384
 FREE, USED, CACHED = "f", "u", "c"
 
 
-def block_states(scheduler: Scheduler, max_cells: int = MAX_BLOCK_CELLS) -> str:
-    pool = scheduler.kv_cache_manager.block_pool
+def block_states(pool: BlockPool, max_cells: int = MAX_BLOCK_CELLS) -> str:
     used = "".join(USED if b.ref_cnt > 0 else CACHED if b.block_hash is not None else FREE
                    for b in pool.blocks[:max_cells])
     return used + FREE * (min(pool.num_blocks, max_cells) - len(used))  # never-used blocks
@@ -60,15 +59,14 @@ def request_state(request: Request, queue: str, block_ids: list[int], max_cells:
     }
 
 
-def scheduler_snapshot(scheduler: Scheduler, max_cells: int = MAX_BLOCK_CELLS) -> dict[str, Any]:
+def scheduler_snapshot(kv: KVCacheManager, running: Iterable[Request], waiting: Iterable[Request],
+                       max_cells: int = MAX_BLOCK_CELLS) -> dict[str, Any]:
     """The block map (`block_states`, one character per block, then each request's `block_ids`:
     a block shared by a prefix-cache hit or by the samples of one request appears under each
     holder) and the requests, running first, then the waiting queue in its order."""
-    kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    requests = [request_state(r, "running", kv.get_block_ids(r.request_id), max_cells) for r in scheduler.running]
-    requests += [request_state(r, queue_of(r, False), kv.get_block_ids(r.request_id), max_cells)
-                 for r in scheduler.waiting]
+    requests = [request_state(r, "running", kv.get_block_ids(r.request_id), max_cells) for r in running]
+    requests += [request_state(r, queue_of(r, False), kv.get_block_ids(r.request_id), max_cells) for r in waiting]
     num_cells = min(pool.num_blocks, max_cells)
     return {
         "timestamp": time.time(),
@@ -76,7 +74,7 @@ def scheduler_snapshot(scheduler: Scheduler, max_cells: int = MAX_BLOCK_CELLS) -
         "num_blocks": pool.num_blocks,
         "num_free_blocks": pool.get_num_free_blocks(),
         "num_cached_blocks": len(pool.cached_block_hash_to_block),
-        "block_states": block_states(scheduler, num_cells),
+        "block_states": block_states(pool, num_cells),
         "blocks_truncated": pool.num_blocks > num_cells,
         "requests": requests,
     }

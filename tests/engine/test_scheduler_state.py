@@ -68,8 +68,9 @@ def test_snapshot_matches_the_scheduler(engine):
 def test_block_map_is_capped(engine):
     engine.add_request("a", list(range(10, 60)), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
-    full = scheduler_snapshot(engine.engine_core.scheduler)
-    capped = scheduler_snapshot(engine.engine_core.scheduler, max_cells=3)
+    scheduler = engine.engine_core.scheduler
+    full = scheduler.snapshot()
+    capped = scheduler_snapshot(scheduler.kv_cache_manager, scheduler.running, scheduler.waiting, max_cells=3)
     assert capped["blocks_truncated"] and capped["num_blocks"] == full["num_blocks"] > 3
     assert capped["block_states"] == full["block_states"][:3]
     (req,) = capped["requests"]

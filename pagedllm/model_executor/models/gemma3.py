@@ -13,23 +13,22 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.forward_context import get_attention_metadata
-from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.models.blocks import GatedMLP
 from pagedllm.model_executor.models.decode_plan import MAX_PLAN_ROWS, DecodePlan, DecodePlans, Unsupported
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
+    DecoderForCausalLM,
+    DecoderStack,
     IntermediateTensors,
-    PPMissingLayer,
-    load_weights,
-    make_layers,
+    lm_head_for,
     on_stage,
 )
 
@@ -70,24 +69,12 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
-        self.act_fn = get_act_and_mul(config.hidden_activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -100,7 +87,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(mlp, residual=hidden)
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderStack):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
@@ -109,7 +96,7 @@ class Gemma3Model(nn.Module):
         for layer_type in sorted(set(config.layer_types)):
             inv_freq, scaling = compute_inv_freq(config, config.head_dim, layer_type)
             ropes[layer_type] = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
-        self.start_layer, self.end_layer, self.layers = make_layers(
+        self.layers = self.build_layers(
             config.num_hidden_layers, lambda i: Gemma3DecoderLayer(config, i, ropes[config.layer_types[i]]))
         self.norm = on_stage(False, lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
@@ -118,17 +105,13 @@ class Gemma3Model(nn.Module):
         if (input_ids.numel() <= MAX_PLAN_ROWS and intermediate_tensors is None
                 and (plan := self._decode_plan(input_ids))):
             return plan.run(input_ids, positions, get_attention_metadata())
-        if intermediate_tensors is None:
-            hidden = self.embed_tokens(input_ids)
-            # The scale is rounded to the activation dtype first, as the reference does.
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        else:
-            hidden = intermediate_tensors.hidden_states
-        for i in range(self.start_layer, self.end_layer):
-            hidden = self.layers[i](positions, hidden)
-        if isinstance(self.norm, PPMissingLayer):
-            return IntermediateTensors(hidden)
-        return self.norm(hidden)
+        return super().forward(input_ids, positions, intermediate_tensors)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # The scale is rounded to the activation dtype first, as the reference does.
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
 
 
     def _decode_plan(self, input_ids: torch.Tensor) -> DecodePlan | None:
@@ -158,24 +141,15 @@ class Gemma3Model(nn.Module):
         return plans.get(input_ids.numel())
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     packed_modules_mapping = PACKED_MODULES
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
-        embed = self.model.embed_tokens
-        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
-        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
+        self.lm_head = lm_head_for(config, self.model.embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden, softcap=self.final_logit_softcapping)
-
-    def load_weights(self, weights) -> set[str]:
-        return load_weights(self, weights)

@@ -23,14 +23,14 @@ from pagedllm.model_executor.layers.linear import (
 )
 from pagedllm.model_executor.layers.vocab_embedding import (
     LearnedPositionEmbedding,
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
+from pagedllm.model_executor.models.blocks import UngatedMLP, attend_packed_qkv
 from pagedllm.model_executor.models.utils import (
-    IntermediateTensors,
-    PPMissingLayer,
+    DecoderForCausalLM,
+    DecoderStack,
+    lm_head_for,
     load_weights,
-    make_layers,
     on_stage,
 )
 
@@ -66,21 +66,7 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_heads, scale)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        o = self.attn(q.contiguous(), k, v)
-        return self.c_proj(o.reshape(-1, self.num_heads * self.head_dim))
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = _conv1d(ColumnParallelLinear(config.hidden_size, inner, bias=True))
-        self.c_proj = _conv1d(RowParallelLinear(inner, config.hidden_size, bias=True))
-        self.act = get_act_fn(config.activation_function)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        return self.c_proj(attend_packed_qkv(self.attn, self.c_attn(hidden), self.num_heads, self.head_dim))
 
 
 class GPT2Block(nn.Module):
@@ -90,54 +76,43 @@ class GPT2Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = GPT2MLP(config)
+        inner = config.n_inner or 4 * config.hidden_size
+        self.mlp = UngatedMLP(_conv1d(ColumnParallelLinear(config.hidden_size, inner, bias=True)),
+                              _conv1d(RowParallelLinear(inner, config.hidden_size, bias=True)),
+                              get_act_fn(config.activation_function), ("c_fc", "c_proj"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden))
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(DecoderStack):
+    layers_take_positions = False  # learned positions, added to the embeddings
+    norm_name = "ln_f"
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.wte = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, hidden))
         self.wpe = on_stage(True, lambda: LearnedPositionEmbedding(config.max_position_embeddings, hidden))
-        self.start_layer, self.end_layer, self.h = make_layers(
-            config.num_hidden_layers, lambda i: GPT2Block(config, i))
+        self.h = self.build_layers(config.num_hidden_layers, lambda i: GPT2Block(config, i))
         self.ln_f = on_stage(False, lambda: nn.LayerNorm(hidden, eps=config.layer_norm_epsilon))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is None:
-            hidden = self.wte(input_ids) + self.wpe(positions)
-        else:
-            hidden = intermediate_tensors.hidden_states
-        for i in range(self.start_layer, self.end_layer):
-            hidden = self.h[i](hidden)
-        if isinstance(self.ln_f, PPMissingLayer):
-            return IntermediateTensors(hidden)
-        return self.ln_f(hidden)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids) + self.wpe(positions)
 
 
-class GPT2LMHeadModel(nn.Module):
+
+class GPT2LMHeadModel(DecoderForCausalLM):
     tied_weight_names = ("transformer.wte.weight", "lm_head.weight")
+    trunk_name = "transformer"
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         check_gpt2_config(config)
         self.config = config
         self.transformer = GPT2Model(config)
-        wte = self.transformer.wte
-        tied = wte if config.tie_word_embeddings and not isinstance(wte, PPMissingLayer) else None
-        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.transformer(input_ids, positions, intermediate_tensors)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        self.lm_head = lm_head_for(config, self.transformer.wte)
 
     def load_weights(self, weights) -> set[str]:
         def renamed():

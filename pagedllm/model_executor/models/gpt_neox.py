@@ -22,12 +22,13 @@ from pagedllm.model_executor.layers.linear import (
     fused_qkv_loader,
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.models.blocks import UngatedMLP
 from pagedllm.model_executor.models.utils import (
-    IntermediateTensors,
-    PPMissingLayer,
+    DecoderForCausalLM,
+    DecoderStack,
+    lm_head_for,
     load_weights,
-    make_layers,
     on_stage,
 )
 
@@ -55,17 +56,6 @@ class GPTNeoXAttention(nn.Module):
         return self.dense(o.reshape(-1, self.num_heads * self.head_dim))
 
 
-class GPTNeoXMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
-        self.dense_4h_to_h = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = get_act_fn(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class GPTNeoXLayer(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
@@ -73,7 +63,9 @@ class GPTNeoXLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attention = GPTNeoXAttention(config, rotary_emb)
-        self.mlp = GPTNeoXMLP(config)
+        self.mlp = UngatedMLP(ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True),
+                              RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True),
+                              get_act_fn(config.hidden_act), ("dense_h_to_4h", "dense_4h_to_h"))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attn = self.attention(positions, self.input_layernorm(hidden))
@@ -84,41 +76,29 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(hidden)) + hidden
 
 
-class GPTNeoXModel(nn.Module):
+class GPTNeoXModel(DecoderStack):
+    embed_name, norm_name = "embed_in", "final_layer_norm"
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_in = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         inv_freq, scaling = compute_inv_freq(config, config.hidden_size // config.num_attention_heads)
         # One cos/sin table (over the rotary part of a head) shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: GPTNeoXLayer(config, rotary_emb))
+        self.layers = self.build_layers(config.num_hidden_layers, lambda i: GPTNeoXLayer(config, rotary_emb))
         self.final_layer_norm = on_stage(False, lambda: nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        hidden = self.embed_in(input_ids) if intermediate_tensors is None else intermediate_tensors.hidden_states
-        for i in range(self.start_layer, self.end_layer):
-            hidden = self.layers[i](positions, hidden)
-        if isinstance(self.final_layer_norm, PPMissingLayer):
-            return IntermediateTensors(hidden)
-        return self.final_layer_norm(hidden)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(DecoderForCausalLM):
     tied_weight_names = ("gpt_neox.embed_in.weight", "embed_out.weight")
+    trunk_name = "gpt_neox"
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.gpt_neox = GPTNeoXModel(config)
-        embed = self.gpt_neox.embed_in
-        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
-        self.embed_out = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.gpt_neox(input_ids, positions, intermediate_tensors)
+        self.embed_out = lm_head_for(config, self.gpt_neox.embed_in)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_out(hidden)

@@ -35,7 +35,7 @@ class GraniteModel(LlamaModel):
         super().__init__(config, *args, **kwargs)
         self.embedding_multiplier = float(config.embedding_multiplier)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 

@@ -11,22 +11,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers.activation import get_act_and_mul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.models.blocks import GatedMLP
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
-    IntermediateTensors,
-    PPMissingLayer,
-    load_weights,
-    make_layers,
+    DecoderForCausalLM,
+    DecoderStack,
+    lm_head_for,
     on_stage,
 )
 
@@ -40,7 +38,8 @@ class LlamaAttention(nn.Module):
         self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        # StarCoder2 names it use_bias (and biases the MLP too)
+        attention_bias = bool(getattr(config, "attention_bias", getattr(config, "use_bias", False)))
         self.head_dim = head_dim_of(config)
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -78,17 +77,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
-        self.act_fn = get_act_and_mul(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+def llama_mlp(config: Any) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,16 +88,21 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, qkv_bias, qk_norm)
-        self.mlp = mlp if mlp is not None else LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp if mlp is not None else llama_mlp(config)
+        self.input_layernorm = self.make_norm(config)
+        self.post_attention_layernorm = self.make_norm(config)
+
+    @staticmethod
+    def make_norm(config: Any) -> nn.Module:
+        """The layer's and the trunk's norms (StarCoder2 swaps in LayerNorm)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     """`make_mlp(layer_idx)`, when given, builds each layer's feed-forward block (the MoE models')."""
 
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # variants (Granite) swap in their own
@@ -122,26 +117,14 @@ class LlamaModel(nn.Module):
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
         layer_cls = self.decoder_layer_cls
-        self.start_layer, self.end_layer, self.layers = make_layers(
+        self.layers = self.build_layers(
             config.num_hidden_layers,
             lambda i: layer_cls(config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None))
-        self.norm = on_stage(False, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """Hidden states after the norm; on a pipeline stage before the last, its layers' output."""
-        hidden = self.embed(input_ids) if intermediate_tensors is None else intermediate_tensors.hidden_states
-        for i in range(self.start_layer, self.end_layer):
-            hidden = self.layers[i](positions, hidden)
-        if isinstance(self.norm, PPMissingLayer):
-            return IntermediateTensors(hidden)
-        return self.norm(hidden)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        self.norm = on_stage(False, lambda: layer_cls.make_norm(config))
 
 
-class _LlamaHost(nn.Module):
+
+class _LlamaHost(DecoderForCausalLM):
     """A Llama decoder under a task head: the weights, forward pass and loading they share."""
 
     packed_modules_mapping = PACKED_MODULES
@@ -156,25 +139,13 @@ class _LlamaHost(nn.Module):
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block: the dense MLP here; experts in the MoE models."""
-        return LlamaMLP(self.config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
-
-    def load_weights(self, weights) -> set[str]:
-        return load_weights(self, weights)
+        return llama_mlp(self.config)
 
 
 class LlamaForCausalLM(_LlamaHost):
     def __init__(self, config: Any, max_model_len: int | None = None) -> None:
         super().__init__(config, max_model_len)
-        embed = self.model.embed_tokens
-        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
-        self.lm_head = on_stage(False, lambda: ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        self.lm_head = lm_head_for(config, self.model.embed_tokens)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -11,21 +11,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.distributed import get_pp_group
 from pagedllm.model_executor.layers.activation import get_act_fn
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.vocab_embedding import (
     LearnedPositionEmbedding,
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
+from pagedllm.model_executor.models.blocks import attend_packed_qkv
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
+    DecoderForCausalLM,
+    DecoderStack,
     IntermediateTensors,
-    PPMissingLayer,
+    lm_head_for,
     load_weights,
-    make_layers,
     on_stage,
 )
 
@@ -47,9 +47,7 @@ class OPTAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_heads, self.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        o = self.attn(q.contiguous(), k, v)
-        return self.out_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.out_proj(attend_packed_qkv(self.attn, self.qkv_proj(hidden), self.num_heads, self.head_dim))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -71,7 +69,9 @@ class OPTDecoderLayer(nn.Module):
         return self.final_layer_norm(hidden + self.fc2(self.act(self.fc1(hidden))))
 
 
-class OPTDecoder(nn.Module):
+class OPTDecoder(DecoderStack):
+    layers_take_positions = False  # learned positions, added to the embeddings
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden, proj = config.hidden_size, config.word_embed_proj_dim
@@ -87,23 +87,15 @@ class OPTDecoder(nn.Module):
             self.final_layer_norm = on_stage(False, lambda: _layer_norm(config))
         else:
             self.final_layer_norm = None
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: OPTDecoderLayer(config))
-        self.is_last_stage = get_pp_group().is_last_rank
+        self.layers = self.build_layers(config.num_hidden_layers, lambda i: OPTDecoderLayer(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is None:
-            hidden = self.embed_tokens(input_ids)
-            if self.project_in is not None:
-                hidden = self.project_in(hidden)
-            hidden = hidden + self.embed_positions(positions)
-        else:
-            hidden = intermediate_tensors.hidden_states
-        for i in range(self.start_layer, self.end_layer):
-            hidden = self.layers[i](hidden)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        return hidden + self.embed_positions(positions)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         return hidden if self.project_out is None else self.project_out(hidden)
@@ -115,7 +107,7 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(DecoderForCausalLM):
     # q/k/v are separate in the checkpoint, stacked into one GEMM here.
     packed_modules_mapping = {k: v for k, v in PACKED_MODULES.items() if v[0] == "qkv_proj"}
     tied_weight_names = ("model.decoder.embed_tokens.weight", "lm_head.weight")
@@ -124,17 +116,11 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = OPTModel(config)
-        embed = self.model.decoder.embed_tokens
-        tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
-        self.lm_head = on_stage(False, lambda: ParallelLMHead(
-            config.vocab_size, config.word_embed_proj_dim, tied_to=tied))
+        self.lm_head = lm_head_for(config, self.model.decoder.embed_tokens, config.word_embed_proj_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         return self.model.decoder(input_ids, positions, intermediate_tensors)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     def load_weights(self, weights) -> set[str]:
         # Metaseq-converted checkpoints (facebook/opt-125m's) name the decoder without "model.".

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.model_executor.layers.fused_moe import ExpertRouter, SparseMoeBlock
-from pagedllm.model_executor.models.llama import LlamaMLP
+from pagedllm.model_executor.models.llama import llama_mlp
 from pagedllm.model_executor.models.mixtral import num_experts_of
 from pagedllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.model_executor.models.utils import load_weights
@@ -21,7 +21,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         experts = num_experts_of(c)
         step = getattr(c, "decoder_sparse_step", 1) or 1
         if layer_idx in (getattr(c, "mlp_only_layers", None) or []) or experts == 0 or (layer_idx + 1) % step:
-            return LlamaMLP(c)
+            return llama_mlp(c)
         return SparseMoeBlock(c.hidden_size, experts, c.num_experts_per_tok, c.moe_intermediate_size,
                               bool(getattr(c, "norm_topk_prob", False)), c.hidden_act)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.distributed import get_pp_group, get_pp_indices
 from pagedllm.model_executor.layers.linear import default_weight_loader
+from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead
 from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
 
 
@@ -38,6 +40,66 @@ def on_stage(first: bool, build: Callable[[], nn.Module]) -> nn.Module:
     """`build()` if this is the first (or last) stage as asked, else a PPMissingLayer."""
     pp = get_pp_group()
     return build() if (pp.is_first_rank if first else pp.is_last_rank) else PPMissingLayer()
+
+
+class DecoderStack(nn.Module):
+    """The trunk every decoder-only model shares: `embed` on the first pipeline stage, this stage's
+    layers, `finish` (the final norm) on the last; a stage before the last hands its hidden states
+    on. A model builds its modules under its checkpoint's names (its layers through `build_layers`)
+    and names its embedding and final norm, or says what `embed` and `finish` do instead."""
+
+    layers_take_positions = True  # False: learned position embeddings, which `embed` adds
+    embed_name = "embed_tokens"
+    norm_name = "norm"
+
+    def build_layers(self, num_layers: int, build: Callable[[int], nn.Module]) -> nn.ModuleList:
+        """This stage's layers (`make_layers`); the model keeps them under its checkpoint's name."""
+        self.start_layer, self.end_layer, layers = make_layers(num_layers, build)
+        # The same list, not registered again: its modules keep the one name the model gives them.
+        self.__dict__["stage_layers"] = layers
+        self.is_last_stage = get_pp_group().is_last_rank
+        return layers
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.embed_name)(input_ids)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.norm_name)(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Hidden states after `finish`; on a pipeline stage before the last, its layers' output."""
+        if intermediate_tensors is None:
+            hidden = self.embed(input_ids, positions)
+        else:
+            hidden = intermediate_tensors.hidden_states
+        layers = self.stage_layers
+        for i in range(self.start_layer, self.end_layer):
+            hidden = layers[i](positions, hidden) if self.layers_take_positions else layers[i](hidden)
+        return self.finish(hidden) if self.is_last_stage else IntermediateTensors(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A `DecoderStack` (under its checkpoint's name, `trunk_name`) and an LM head (`lm_head`)."""
+
+    trunk_name = "model"
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return getattr(self, self.trunk_name)(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights(self, weights)
+
+
+def lm_head_for(config: Any, embed: nn.Module, width: int | None = None) -> nn.Module:
+    """The LM head, on the last stage only; it shares the embedding's weight where the config ties
+    them and this stage holds the embedding (else it loads its own copy)."""
+    tied = embed if config.tie_word_embeddings and not isinstance(embed, PPMissingLayer) else None
+    return on_stage(False, lambda: ParallelLMHead(config.vocab_size, width or config.hidden_size, tied_to=tied))
 
 
 def _missing_prefixes(model: nn.Module) -> tuple[str, ...]:
