@@ -50,7 +50,7 @@ def test_command_line_overrides_the_file(tmp_path):
     ea = engine_args_from_namespace(args)
     assert (ea.model, ea.max_model_len, ea.enable_prefix_caching) == ("/models/cli", 64, True)
     assert ea.long_prefill_token_threshold == 16
-    assert args.served_model_name == ["c"] and args.port == 1
+    assert args.served_model_names == ["c"] and args.port == 1
     assert ea.kv_cache_memory == 16 << 20  # not on the command line: from the file
     # --config=PATH, and flags before it
     cfg = tmp_path / "config.yaml"

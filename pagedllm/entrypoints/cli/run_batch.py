@@ -16,7 +16,8 @@ import uuid
 from typing import Any
 
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
-from pagedllm.entrypoints.openai.server_config import ServerConfig, parse_lora_module
+from pagedllm.entrypoints.cli.flags import add_dataclass_flags
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank")
 
@@ -27,13 +28,10 @@ def add_run_batch_parser(subparsers) -> None:
                    help="JSONL, one request a line: {custom_id, method: POST, url, body}")
     p.add_argument("-o", "--output-file", required=True, help="JSONL results, one a line, in input order")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the requests' `model` may use; default: the model argument")
-    p.add_argument("--chat-template", default=None, help="Jinja chat template, as a file path or inline text")
-    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
-                   help="LoRA adapters requests may name as their model; needs --enable-lora")
-    p.add_argument("--enable-auto-tool-choice", action="store_true")
-    p.add_argument("--tool-call-parser", default=None, help="hermes, llama3_json, mistral or pythonic")
+    # The options of the served app that apply to a batch: the names requests may use, the chat
+    # template, adapters and tool calls.
+    add_dataclass_flags(p, ServerConfig, only=("served_model_names", "chat_template", "lora_modules",
+                                               "enable_auto_tool_choice", "tool_call_parser"))
     p.add_argument("--max-concurrency", type=int, default=256,
                    help="requests in flight at once; the engine batches them (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -63,15 +61,6 @@ def run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    lora_modules = tuple(args.lora_modules or ())
-    if lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    return ServerConfig(served_model_names=tuple(args.served_model_name or ()), chat_template=args.chat_template,
-                        lora_modules=lora_modules, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-
-
 async def _run(args: argparse.Namespace, lines: list[str]) -> list[dict[str, Any]]:
     import httpx
     from tqdm import tqdm
@@ -79,7 +68,7 @@ async def _run(args: argparse.Namespace, lines: list[str]) -> list[dict[str, Any
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    config = server_config(args)
+    config = ServerConfig.from_namespace(args)
     engine = AsyncLLM.from_engine_args(engine_args_from_namespace(args))  # inside the loop: it binds to it
     try:
         app = build_app(engine, config)

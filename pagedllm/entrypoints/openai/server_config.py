@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -52,53 +53,93 @@ def parse_lora_module(value: str) -> LoRAModulePath:
     return LoRAModulePath(name.strip(), path.strip())
 
 
+def _flag(default: Any, help: str, **cli: Any) -> Any:
+    """A field that is also a `pagedllm serve` flag (entrypoints/cli/flags.py generates it)."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(slots=True)
 class ServerConfig:
     # the app (api_server.build_app)
-    served_model_names: tuple[str, ...] = ()  # empty: the model argument
-    chat_template: str | None = None  # a file path or inline Jinja, read once at start
-    trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    tool_choice_auto_grammar: bool = False
-    max_parallel_tool_calls: int = MAX_PARALLEL_TOOL_CALLS
-    reasoning_parser: str | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    api_key: str | None = None
-    metrics_no_auth: bool = False
-    allowed_origins: tuple[str, ...] = ()  # each space- or comma-separated, or a JSON list
-    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
-    lora_modules: tuple[LoRAModulePath, ...] = ()  # registered with the engine at start (needs --enable-lora)
+    served_model_names: tuple[str, ...] = _flag((), "model name(s) clients use; default: the model argument",
+                                                flag="--served-model-name", metavar="NAME")
+    chat_template: str | None = _flag(None, "Jinja chat template, as a file path or inline text (read once at start)")
+    trust_request_chat_template: bool = _flag(False, "accept a `chat_template` (Jinja text, never a path) in "
+                                                     "requests; default: 400")
+    tool_call_parser: str | None = _flag(None, "hermes, llama3_json, mistral or pythonic")
+    enable_auto_tool_choice: bool = _flag(False, 'let the model decide to call tools (tool_choice "auto"); needs '
+                                                 "--tool-call-parser")
+    tool_choice_auto_grammar: bool = _flag(
+        False, 'tool_choice "auto" under a grammar: plain text or one call in the --tool-call-parser\'s markup '
+               "(hermes unless given; not pythonic), so a model never tuned for tools can call them; implies "
+               "--enable-auto-tool-choice")
+    max_parallel_tool_calls: int = _flag(MAX_PARALLEL_TOOL_CALLS, 'most calls the grammar allows for tool_choice '
+                                         '"required" unless parallel_tool_calls is false (then one) (default: '
+                                         "%(default)s)")
+    reasoning_parser: str | None = None  # EngineArgs' --reasoning-parser
+    max_request_body_bytes: int = _flag(DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413 before they "
+                                        "are parsed (default: %(default)s)")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on every route but /health (default: "
+                                      "$PAGEDLLM_API_KEY)")
+    metrics_no_auth: bool = _flag(False, "with --api-key, leave /metrics open for scrapers (default: it needs the "
+                                         "key too)")
+    allowed_origins: tuple[str, ...] = _flag((), "CORS origins to allow (space- or comma-separated, or a JSON "
+                                                 "list); default: no CORS headers")
+    enable_tokenizer_info_endpoint: bool = _flag(
+        False, "serve GET /tokenizer_info: the tokenizer's configuration (special tokens, class, chat template; "
+               "never file paths), as clients with a remote tokenizer (lm-eval) read it")
+    lora_modules: tuple[LoRAModulePath, ...] = _flag(
+        (), "LoRA adapters (PEFT directories) served from the start, each a model name clients may use: name=path "
+            'or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora',
+        parse=parse_lora_module, metavar="NAME=PATH")
     # the Responses and Conversations APIs
-    responses_store: str | None = None  # None or "memory": in this process; "sqlite:///file.db": on disk
-    responses_store_max_entries: int = 1000
-    responses_store_ttl: float | None = None  # seconds after its last write a stored response expires
-    disable_responses_store: bool = False
-    max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
-    max_conversation_items: int = DEFAULT_MAX_CONVERSATION_ITEMS  # 400 past them
-    max_conversation_item_bytes: int = DEFAULT_MAX_CONVERSATION_ITEM_BYTES  # JSON bytes of one item
+    responses_store: str | None = _flag(None, "where /v1/responses keeps stored responses and conversations: "
+                                              "'memory' (default) or 'sqlite:///relative.db' / "
+                                              "'sqlite:////absolute/path.db', which survives a restart")
+    responses_store_max_entries: int = _flag(1000, "stored responses (and, separately, conversations) kept; the "
+                                                   "oldest written goes first (default: %(default)s)")
+    responses_store_ttl: float | None = _flag(None, "seconds a stored response or conversation lives after its last "
+                                                    "write; a background response still running past it is "
+                                                    "cancelled (default: no expiry)")
+    disable_responses_store: bool = _flag(False, "store nothing: store=true and background responses get 400, "
+                                                 "conversations are off")
+    max_tool_output_bytes: int = _flag(DEFAULT_MAX_TOOL_OUTPUT_BYTES, "largest output one POST "
+                                       "/v1/responses/{id}/tool_outputs may carry (default: %(default)s)")
+    max_conversation_items: int = _flag(DEFAULT_MAX_CONVERSATION_ITEMS, "most items one conversation holds; adding "
+                                        "past it is a 400 (default: %(default)s)")
+    max_conversation_item_bytes: int = _flag(DEFAULT_MAX_CONVERSATION_ITEM_BYTES, "largest conversation item (its "
+                                             "JSON, in bytes); a larger one is a 400 (default: %(default)s)")
     # logs and metrics
-    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S  # seconds between stats lines
-    disable_log_stats: bool = False
-    enable_log_requests: bool = False
-    max_log_len: int | None = None  # characters of prompt text (and prompt token ids) a request line shows
-    metrics_compat: str | None = None  # "vllm": /metrics repeats every series under vLLM's names
+    log_stats_interval: float = _flag(DEFAULT_LOG_STATS_INTERVAL_S, "seconds between the stats lines (throughput, "
+                                      "running / waiting requests, KV cache and prefix cache use) (default: "
+                                      "%(default)s)")
+    disable_log_stats: bool = _flag(False, "no periodic stats lines")
+    enable_log_requests: bool = _flag(False, "log each generation request as it arrives: id, prompt length, "
+                                             "sampling params, prompt")
+    max_log_len: int | None = _flag(None, "with --enable-log-requests, the most prompt characters (and prompt "
+                                          "token ids) a line shows (default: all)")
+    metrics_compat: str | None = _flag(None, "vllm: /metrics also exposes every series under vLLM's names "
+                                             "(vllm:num_requests_running, ...), so dashboards written for vLLM "
+                                             "work unchanged", choices=METRICS_COMPAT_CHOICES)
     # the HTTP server (cli/serve.py: serve_http)
-    host: str = "0.0.0.0"
-    port: int = 8000
-    limit_concurrency: int | None = None  # None: from the open-file limit
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
-    timeout_keep_alive: int = 5
-    uvicorn_log_level: str = "info"
+    host: str = _flag("0.0.0.0", "address to bind (default: all interfaces)")
+    port: int = _flag(8000, "port to listen on (default: %(default)s)")
+    limit_concurrency: int | None = _flag(None, "open connections (and in-flight requests) beyond which new ones "
+                                                "get 503; default: the open-file limit (raised to its hard "
+                                                "maximum) less 256")
+    header_timeout: float = _flag(DEFAULT_HEADER_TIMEOUT_S, "seconds a connection may take to send a complete "
+                                  "request head (default: %(default)s)")
+    timeout_keep_alive: int = _flag(5, "seconds an idle keep-alive connection stays open (default: %(default)s)")
+    uvicorn_log_level: str = _flag("info", "uvicorn's log level (server events, access log); pagedllm's own lines "
+                                           "follow $PAGEDLLM_LOGGING_LEVEL (default INFO)",
+                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
         """From `pagedllm serve`'s parsed arguments (after run_serve filled api_key from the environment)."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        values["served_model_names"] = tuple(args.served_model_name or ())
-        values["allowed_origins"] = tuple(args.allowed_origins or ())
-        values["lora_modules"] = tuple(getattr(args, "lora_modules", None) or ())
-        if values["lora_modules"] and not getattr(args, "enable_lora", False):
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        if values.get("lora_modules") and not getattr(args, "enable_lora", False):
             raise ValueError("--lora-modules needs --enable-lora")
         if values.get("log_stats_interval", 1) <= 0:
             raise ValueError("--log-stats-interval must be positive (turn the lines off with --disable-log-stats)")

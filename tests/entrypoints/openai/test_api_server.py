@@ -422,7 +422,7 @@ def test_serve_cli_flags(monkeypatch):
         "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-n", "16", "--kv-cache-memory", "16MiB",
         "--no-enable-prefix-caching", "--chat-template", "t.jinja", "--dtype", "float32", "--seed", "3",
         "--uvicorn-log-level", "warning", "--allowed-origins", "http://x", "--api-key", "k"])
-    assert (ns.host, ns.port, ns.served_model_name, ns.chat_template, ns.uvicorn_log_level, ns.api_key) == (
+    assert (ns.host, ns.port, ns.served_model_names, ns.chat_template, ns.uvicorn_log_level, ns.api_key) == (
         "127.0.0.1", 9, ["a", "b"], "t.jinja", "warning", "k")
     ea = engine_args_from_namespace(ns)
     assert (ea.model, ea.max_model_len, ea.max_num_seqs, ea.max_num_batched_tokens, ea.kv_cache_memory) == (
