@@ -41,6 +41,16 @@ class SampleGroup:
     prompt_blocks: list[KVCacheBlock] | None = None
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` has handed out so far."""
+
+    budget: int  # tokens left
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+    blocked: bool = False  # a request to preempt has a step in flight: wait for it
+
+
 def shares_prompt(request: Request) -> bool:
     """Prompt logprobs need every prompt position's logits, so such a sample computes its own."""
     return (
@@ -192,22 +202,30 @@ class Scheduler(SchedulerInterface):
         return min(num_new, budget, threshold) if prefill and threshold > 0 else min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
+        """The running requests first (oldest first; preempting the newest when blocks run out),
+        then, unless that had to preempt, the waiting ones, within the step's token budget."""
         # A request that waited for an earlier one's step with its id: that step is back (taken
         # or forgotten), so it joins now.
         for req_id in [r for r in self.deferred if r not in self.num_steps_in_flight]:
             self.add_request(self.deferred.pop(req_id))
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        preempted: set[str] = set()
-        blocked = False
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted and not step.blocked:
+            self._schedule_waiting(step)
+        for group_id in list(self.groups):
+            self._release_idle_group(group_id)
+        return self._build_output(step.num_scheduled, step.preempted)
 
-        # 1. Running requests, oldest first.
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Each running request's next tokens (a decode, the rest of a chunked prompt, drafts to
+        verify), its share of the pipeline's steps at most; preempt from the newest when blocks run
+        out, or stop (`blocked`) when the one to preempt has a step in flight."""
         i = 0
         per_step = -(-len(self.running) // self.pipeline_depth)
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < per_step:
+        while i < len(self.running) and step.budget > 0 and len(step.num_scheduled) < per_step:
             request = self.running[i]
             # Draft tokens are scheduled like any other: verified in this forward pass.
-            num_new = self._chunk(self._num_known_and_pending(request) - request.num_computed_tokens, budget,
+            num_new = self._chunk(self._num_known_and_pending(request) - request.num_computed_tokens, step.budget,
                                   prefill=request.num_computed_tokens < request.num_prompt_tokens)
             if num_new <= 0:
                 i += 1
@@ -222,35 +240,32 @@ class Scheduler(SchedulerInterface):
                     continue  # waiting samples lose their fork before anything running is preempted
                 victim = self._pick_victim()
                 if self.num_steps_in_flight.get(victim.request_id):
-                    blocked = True  # wait for its step (the batch queue finishes the oldest one)
+                    step.blocked = True  # wait for its step (the batch queue finishes the oldest one)
                     break
-                if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
+                if victim.request_id in step.num_scheduled:
+                    step.budget += step.num_scheduled.pop(victim.request_id)
                     i -= 1
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                step.preempted.add(victim.request_id)
                 if victim is request:
                     break
-            if blocked:
+            if step.blocked:
                 break
-            if request.request_id in preempted:
+            if request.request_id in step.preempted:
                 continue  # `i` already points at the next request
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            step.num_scheduled[request.request_id] = num_new
+            step.budget -= num_new
             i += 1
 
-        # 2. Waiting requests, unless this step already had to preempt.
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Admit waiting requests in queue order while budget, blocks and max_num_seqs allow. A
+        request whose grammar still compiles, whose adapter has no free slot, or whose sibling is
+        computing the shared prompt is passed over this step and keeps its place."""
         skipped: list[Request] = []  # grammars still compiling, samples waiting for a sibling's prefill
         prefilling_groups: set[str] = set()  # groups whose prompt a sibling computes this step
         holds_released = False
         active_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
-        while (
-            not preempted
-            and not blocked
-            and len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while len(self.waiting) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output.ready():
@@ -269,14 +284,14 @@ class Scheduler(SchedulerInterface):
             if shares_prompt(request):
                 group_id = request.group_id
                 if group_id not in prefilling_groups and self._prompt_source(group_id) is not None:
-                    admitted = self._admit_forked(request, budget)
+                    admitted = self._admit_forked(request, step.budget)
                     if admitted is None:
                         if not holds_released and self._release_prompt_holds():
                             holds_released = True
                             continue
                         break
-                    num_scheduled[request.request_id] = admitted
-                    budget -= admitted
+                    step.num_scheduled[request.request_id] = admitted
+                    step.budget -= admitted
                     continue
                 if group_id in prefilling_groups or self._group_is_prefilling(group_id):
                     prefilling_groups.add(group_id)
@@ -284,9 +299,9 @@ class Scheduler(SchedulerInterface):
                     continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
-            num_new = self._chunk(num_new, budget)
+            num_new = self._chunk(num_new, step.budget)
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
                 if not holds_released and self._release_prompt_holds():
@@ -303,14 +318,11 @@ class Scheduler(SchedulerInterface):
             self.running.append(request)
             if request.group_id is not None:
                 prefilling_groups.add(request.group_id)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            step.num_scheduled[request.request_id] = num_new
+            step.budget -= num_new
 
         for request in reversed(skipped):
             self.waiting.prepend(request)
-        for group_id in list(self.groups):
-            self._release_idle_group(group_id)
-        return self._build_output(num_scheduled, preempted)
 
     def get_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         drafts = scheduler_output.scheduled_spec_decode_tokens

@@ -1,7 +1,8 @@
 """ServerConfig: every option of `pagedllm serve` the HTTP server reads (the app and uvicorn),
-typed, with the CLI's defaults. `from_namespace` is the one place that reads the argparse
-Namespace; the engine's own options go through EngineArgs instead. Imports nothing heavy:
-the CLI parser takes its defaults from here."""
+typed, each field declaring its flag (default, help, choices), from which
+entrypoints/cli/flags.py generates the CLI. `from_namespace` is the one place that reads the
+argparse Namespace; the engine's own options go through EngineArgs instead. Imports nothing
+heavy: the CLI parser is built from here."""
 
 from __future__ import annotations
 
