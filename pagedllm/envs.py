@@ -28,7 +28,8 @@ def _optional(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or None
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where pagedllm keeps what it builds once per machine: see PAGEDLLM_CACHE_DIR."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache",
                                                                 "pagedllm")
     return Path(root).expanduser()
@@ -37,7 +38,7 @@ def _cache_dir() -> Path:
 environment_variables: dict[str, Callable[[], Any]] = {
     # Where pagedllm keeps what it builds once per machine (GGUF conversions, kernel builds,
     # quantized weights): this, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm.
-    "PAGEDLLM_CACHE_DIR": _cache_dir,
+    "PAGEDLLM_CACHE_DIR": cache_root,
     # The CPU instruction set level the kernels and torch use: avx512, avx2 or generic; unset
     # (or "auto"/"native"): the CPU's own. Lower than the CPU's emulates a smaller machine.
     "PAGEDLLM_CPU_ISA": _text("PAGEDLLM_CPU_ISA"),
@@ -141,8 +142,3 @@ def child_env(**overrides: str) -> dict[str, str]:
 def pagedllm_settings() -> dict[str, str]:
     """The PAGEDLLM_* variables that are set, as set (`pagedllm collect-env` shows them)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PAGEDLLM_")}
-
-
-def cache_root() -> Path:
-    """Where pagedllm keeps what it builds once per machine: see PAGEDLLM_CACHE_DIR."""
-    return _cache_dir()

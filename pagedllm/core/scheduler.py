@@ -334,7 +334,10 @@ class Scheduler(SchedulerInterface):
                     and request.num_computed_tokens >= request.num_tokens):
                 grammar_reqs.append((req_id, request.structured_output, drafts.get(req_id, [])))
         filled = self.structured_output_manager.grammar_bitmask(grammar_reqs) if grammar_reqs else None
-        return None if filled is None else GrammarOutput(filled[1], filled[0])
+        if filled is None:
+            return None
+        bitmask, first_rows = filled
+        return GrammarOutput(first_rows, bitmask)
 
     # ---- views ------------------------------------------------------------
     def make_stats(self) -> dict[str, float]:
@@ -349,7 +352,9 @@ class Scheduler(SchedulerInterface):
         if self.speculative_config is not None:
             stats.update(self.spec_decoding_stats.as_dict())
         for prefix, requests in (("lora_running:", self.running), ("lora_waiting:", self.waiting)):
-            for r in requests if self.max_loras is not None else ():
+            if self.max_loras is None:
+                break  # no LoRA in this engine
+            for r in requests:
                 if r.lora_request is not None:
                     key = prefix + r.lora_request.lora_name
                     stats[key] = stats.get(key, 0) + 1

@@ -74,8 +74,12 @@ class DecoderStack(nn.Module):
         else:
             hidden = intermediate_tensors.hidden_states
         layers = self.stage_layers
-        for i in range(self.start_layer, self.end_layer):
-            hidden = layers[i](positions, hidden) if self.layers_take_positions else layers[i](hidden)
+        if self.layers_take_positions:
+            for i in range(self.start_layer, self.end_layer):
+                hidden = layers[i](positions, hidden)
+        else:
+            for i in range(self.start_layer, self.end_layer):
+                hidden = layers[i](hidden)
         return self.finish(hidden) if self.is_last_stage else IntermediateTensors(hidden)
 
 
