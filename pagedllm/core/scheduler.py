@@ -5,9 +5,9 @@ requests first (so decodes never starve), then waiting ones; a prompt that does
 not fit the budget is chunked. When blocks run out, a running request is
 preempted (its blocks freed, to be recomputed later).
 
-The samples of one n / best_of request (a group) are admitted together: the first prefills
-the prompt while the others wait, then every sibling that fits forks the prompt's blocks
-(see `_admit_forked`) and computes only its last prompt token.
+The samples of one n / best_of request are admitted together: the first computes the prompt
+while the others wait (`KVCacheManager.waits_for_sibling`), then every sibling that fits
+shares its prompt's blocks and computes only its last prompt token.
 """
 
 from __future__ import annotations
@@ -18,27 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.interface import SchedulerInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
-from pagedllm.core.request_update import admissible_drafts, num_lookahead_slots, update_request_with_output
+from pagedllm.core.request_update import update_request_with_output
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.core.scheduler_state import scheduler_snapshot
 from pagedllm.protocol import EngineCoreOutput
+from pagedllm.spec_decode.drafts import admissible_drafts, num_lookahead_slots
 from pagedllm.spec_decode.metrics import SpecDecodingStats
-
-
-@dataclass(slots=True, eq=False)
-class SampleGroup:
-    """The live samples of one n / best_of request. While some of them wait, the group holds
-    references on the blocks with the prompt's K/V (positions < prompt length - 1), taken from
-    a sibling that computed it, so they outlive that sibling (it may finish at its first token).
-    The hold is dropped when blocks run short, before anything is preempted."""
-
-    members: list[Request] = field(default_factory=list)
-    prompt_blocks: list[KVCacheBlock] | None = None
 
 
 @dataclass(slots=True)
@@ -49,15 +38,6 @@ class _StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     blocked: bool = False  # a request to preempt has a step in flight: wait for it
-
-
-def shares_prompt(request: Request) -> bool:
-    """Prompt logprobs need every prompt position's logits, so such a sample computes its own."""
-    return (
-        request.group_id is not None
-        and request.sampling_params.prompt_logprobs is None
-        and request.num_prompt_tokens > 1
-    )
 
 
 class Scheduler(SchedulerInterface):
@@ -82,8 +62,6 @@ class Scheduler(SchedulerInterface):
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self.groups: dict[str, SampleGroup] = {}  # group_id → the samples of one n > 1 request
-        self.block_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the next step
         self.structured_output_manager = structured_output_manager
         # Outputs produced outside a forward pass (e.g. a grammar that failed to compile).
         self.pending_outputs: list[EngineCoreOutput] = []
@@ -119,8 +97,7 @@ class Scheduler(SchedulerInterface):
             request.structured_output = self.structured_output_manager.submit(so_params, request.prompt_token_ids)
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
-        if request.group_id is not None:
-            self.groups.setdefault(request.group_id, SampleGroup()).members.append(request)
+        self.kv_cache_manager.add_request(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -152,16 +129,9 @@ class Scheduler(SchedulerInterface):
         if request.structured_output is not None:
             request.structured_output.cancel()  # a compile still running for a request gone is dropped
         request.structured_output = None
-        group = self.groups.get(request.group_id) if request.group_id is not None else None
-        if group is not None:
-            group.members.remove(request)
-            if group.prompt_blocks is None and self._computed_prompt(request) and self._has_waiting_sharer(group):
-                self._hold_prompt_blocks(group, request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        if group is not None:
-            self._release_idle_group(request.group_id)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.deferred)
@@ -212,8 +182,6 @@ class Scheduler(SchedulerInterface):
         self._schedule_running(step)
         if not step.preempted and not step.blocked:
             self._schedule_waiting(step)
-        for group_id in list(self.groups):
-            self._release_idle_group(group_id)
         return self._build_output(step.num_scheduled, step.preempted)
 
     def _schedule_running(self, step: _StepPlan) -> None:
@@ -236,8 +204,6 @@ class Scheduler(SchedulerInterface):
             while True:
                 if self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is not None:
                     break
-                if self._release_prompt_holds():
-                    continue  # waiting samples lose their fork before anything running is preempted
                 victim = self._pick_victim()
                 if self.num_steps_in_flight.get(victim.request_id):
                     step.blocked = True  # wait for its step (the batch queue finishes the oldest one)
@@ -262,8 +228,6 @@ class Scheduler(SchedulerInterface):
         request whose grammar still compiles, whose adapter has no free slot, or whose sibling is
         computing the shared prompt is passed over this step and keeps its place."""
         skipped: list[Request] = []  # grammars still compiling, samples waiting for a sibling's prefill
-        prefilling_groups: set[str] = set()  # groups whose prompt a sibling computes this step
-        holds_released = False
         active_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while len(self.waiting) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -281,22 +245,9 @@ class Scheduler(SchedulerInterface):
                     skipped.append(self.waiting.pop())  # its adapter waits for a free slot; the queue goes on
                     continue
                 active_loras.add(lora.lora_int_id)
-            if shares_prompt(request):
-                group_id = request.group_id
-                if group_id not in prefilling_groups and self._prompt_source(group_id) is not None:
-                    admitted = self._admit_forked(request, step.budget)
-                    if admitted is None:
-                        if not holds_released and self._release_prompt_holds():
-                            holds_released = True
-                            continue
-                        break
-                    step.num_scheduled[request.request_id] = admitted
-                    step.budget -= admitted
-                    continue
-                if group_id in prefilling_groups or self._group_is_prefilling(group_id):
-                    prefilling_groups.add(group_id)
-                    skipped.append(self.waiting.pop())  # the rest of the queue goes on meanwhile
-                    continue
+            if self.kv_cache_manager.waits_for_sibling(request):
+                skipped.append(self.waiting.pop())  # the rest of the queue goes on meanwhile
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > step.budget:
@@ -304,9 +255,6 @@ class Scheduler(SchedulerInterface):
             num_new = self._chunk(num_new, step.budget)
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
-                if not holds_released and self._release_prompt_holds():
-                    holds_released = True  # then retry: blocks only the holds kept may be free now
-                    continue
                 break
             self.waiting.pop()
             if self.kv_cache_manager.enable_caching:
@@ -316,8 +264,6 @@ class Scheduler(SchedulerInterface):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
-            if request.group_id is not None:
-                prefilling_groups.add(request.group_id)
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new
 
@@ -346,7 +292,7 @@ class Scheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         pc = kv.prefix_cache_stats
         stats = {"num_running": len(self.running), "num_waiting": len(self.waiting), "kv_cache_usage": kv.usage,
-                 "num_free_blocks": kv.get_num_free_blocks(), "num_total_blocks": kv.block_pool.num_blocks,
+                 "num_free_blocks": kv.get_num_free_blocks(), "num_total_blocks": kv.num_blocks,
                  "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
                  "prefix_cache_hit_rate": pc.hit_rate, "num_preemptions": self.num_preemptions}
         if self.speculative_config is not None:
@@ -373,100 +319,14 @@ class Scheduler(SchedulerInterface):
         self._free_request(request)
         self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {error}"))
 
-    # ---- n > 1: samples of one prompt -----------------------------------
-    def _computed_prompt(self, request: Request) -> bool:
-        """A forward pass has written the prompt's K/V into its blocks, or a step in flight will
-        before any step scheduled from now on runs (workers run steps in order), so forking them
-        is safe."""
-        return (
-            request.status == RequestStatus.RUNNING or request.is_finished()
-        ) and request.num_computed_tokens >= request.num_prompt_tokens
-
-    def _has_waiting_sharer(self, group: SampleGroup) -> bool:
-        return any(not m.is_finished() and m.status != RequestStatus.RUNNING and shares_prompt(m)
-                   for m in group.members)
-
-    def _hold_prompt_blocks(self, group: SampleGroup, source: Request) -> None:
-        """Reference the blocks with positions < prompt length - 1 of `source` for the group."""
-        num_blocks = -(-(source.num_prompt_tokens - 1) // self.kv_cache_manager.block_size)
-        blocks = self.kv_cache_manager.req_to_blocks[source.request_id][:num_blocks]
-        self.kv_cache_manager.block_pool.touch(blocks)
-        group.prompt_blocks = blocks
-
-    def _release_idle_group(self, group_id: str) -> None:
-        group = self.groups[group_id]
-        if group.prompt_blocks is not None and not self._has_waiting_sharer(group):
-            self.kv_cache_manager.block_pool.free_blocks(reversed(group.prompt_blocks))
-            group.prompt_blocks = None
-        if not group.members:
-            del self.groups[group_id]
-
-    def _release_prompt_holds(self) -> bool:
-        """Blocks ran short: drop every group's prompt blocks (their waiting samples will fork
-        from a running sibling, or recompute). False if there were none."""
-        held = [g for g in self.groups.values() if g.prompt_blocks is not None]
-        for group in held:
-            self.kv_cache_manager.block_pool.free_blocks(reversed(group.prompt_blocks))
-            group.prompt_blocks = None
-        return bool(held)
-
-    def _prompt_source(self, group_id: str) -> list[KVCacheBlock] | None:
-        """The group's prompt blocks: held already, or taken now from a running sibling that
-        computed them in an earlier step."""
-        group = self.groups[group_id]
-        if group.prompt_blocks is None:
-            source = next((m for m in group.members if m.status == RequestStatus.RUNNING
-                           and self._computed_prompt(m)), None)
-            if source is not None:
-                self._hold_prompt_blocks(group, source)
-        return group.prompt_blocks
-
-    def _group_is_prefilling(self, group_id: str) -> bool:
-        """A sibling is computing the prompt: waiting for it beats computing a copy."""
-        return any(m.status == RequestStatus.RUNNING and m.num_computed_tokens < m.num_prompt_tokens
-                   for m in self.groups[group_id].members)
-
-    def _admit_forked(self, request: Request, budget: int) -> int | None:
-        """Admit a sample on its group's prompt blocks: the full ones are shared (ref counts),
-        the partial last one is copied (copy-on-write, one block) into a block of its own, and
-        only the last prompt token (plus, after a preemption, its own output tokens) is computed.
-        Returns the tokens scheduled, or None if it does not fit.
-
-        This needs no prefix caching: the group holds its own references, so with caching
-        disabled the samples still share one prefill; only reuse across requests is lost."""
-        blocks = self.groups[request.group_id].prompt_blocks
-        block_size = self.kv_cache_manager.block_size
-        num_forked = request.num_prompt_tokens - 1
-        num_full = num_forked // block_size
-        num_new = request.num_tokens - num_forked
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            return None
-        num_new = self._chunk(num_new, budget)
-        lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_forked + num_new)
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, blocks[:num_full], num_forked, lookahead)
-        if new_blocks is None:
-            return None
-        if num_full < len(blocks):
-            self.block_copies.append((blocks[num_full].block_id, new_blocks[0].block_id))
-        self.waiting.pop()
-        if self.kv_cache_manager.enable_caching:
-            self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_forked)
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_forked
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_forked
-        self.running.append(request)
-        return num_new
-
     def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
         """The step message: requests the workers do not hold go whole, the others as diffs
         (tokens sampled since, blocks allocated since, num_computed_tokens)."""
-        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids,
-                              block_copies=self.block_copies)
+        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids)
         if not num_scheduled:
             return out  # not sent to the workers: the next step that runs tells them
         self.finished_req_ids = set()
-        self.block_copies = []
+        out.block_copies = self.kv_cache_manager.take_block_copies()
         cached = out.scheduled_cached_reqs
         now = time.time()
         for request in self.running:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4
@@ -256,3 +256,47 @@ def test_freed_before_compute_leaves_no_cache_entry():
     kv.free(a)
     assert kv.block_pool.cached_block_hash_to_block == {}
     assert kv.get_computed_blocks(make_req("b", list(range(1, 10)))) == ([], 0)
+
+
+def sample(req_id: str, tokens: list[int]) -> Request:
+    """One sample of an n > 1 request (group "p")."""
+    req = make_req(req_id, tokens)
+    req.group_id = "p"
+    return req
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_siblings_share_the_prompt_and_copy_its_partial_block(caching):
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=caching)
+    first, second = sample("0_p", range(1, 11)), sample("1_p", range(1, 11))  # 9 shared positions: 2 full + 1
+    kv.add_request(first)
+    kv.add_request(second)
+    assert not kv.waits_for_sibling(first)  # nobody computes it yet: the first one does
+    assert kv.allocate_slots(first, 10) is not None
+    assert kv.waits_for_sibling(second)  # scheduled, not computed yet
+    first.num_computed_tokens = 10  # its step computes the prompt
+    blocks, num_computed = kv.get_computed_blocks(second)
+    assert num_computed == 9 and blocks == kv.req_to_blocks["0_p"][:3]
+    new = kv.allocate_slots(second, 1, blocks, num_computed)
+    assert kv.req_to_blocks["1_p"][:2] == blocks[:2] and kv.req_to_blocks["1_p"][2] is new[0]
+    assert kv.take_block_copies() == [(blocks[2].block_id, new[0].block_id)] and kv.block_copies == []
+    assert [b.ref_cnt for b in blocks] == [2, 2, 1]  # the group's hold went with the last waiting sibling
+    for req in (first, second):
+        req.status = RequestStatus.FINISHED_STOPPED
+        kv.free(req)
+    assert kv.groups == {} and kv.get_num_free_blocks() == 10
+
+
+def test_a_finished_sample_leaves_its_prompt_to_waiting_siblings_until_blocks_run_short():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_caching=False)
+    first, second = sample("0_p", range(1, 10)), sample("1_p", range(1, 10))
+    kv.add_request(first)
+    kv.add_request(second)
+    kv.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    first.status = RequestStatus.FINISHED_STOPPED
+    kv.free(first)  # it stopped at its first token; its sibling still waits
+    assert kv.get_num_free_blocks() == 2 and kv.groups["p"].prompt_blocks is not None
+    other = make_req("x", range(50, 62))
+    assert kv.allocate_slots(other, 12) is not None  # 3 blocks: only with the hold dropped
+    assert kv.groups["p"].prompt_blocks is None and kv.get_num_free_blocks() == 1

@@ -51,7 +51,7 @@ def test_n_samples_admitted_together_after_one_prefill(prompt_len, prefix_cachin
     assert len(d.outputs[1].block_copies) == (7 if (prompt_len - 1) % BS else 0)
     d.run()
     assert all(r.output_token_ids == [FILLER, FILLER + 1, FILLER + 2] for r in group)
-    assert sched.groups == {}
+    assert sched.kv_cache_manager.groups == {}
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -115,7 +115,7 @@ def test_preempted_sample_does_not_break_its_siblings():
     assert sched.num_preemptions > 0
     expected = [FILLER + i for i in range(12)]
     assert all(r.output_token_ids == expected for r in group)
-    assert sched.groups == {}
+    assert sched.kv_cache_manager.groups == {}
 
 
 def test_abort_all_samples_frees_their_blocks_and_the_group():
@@ -124,9 +124,9 @@ def test_abort_all_samples_frees_their_blocks_and_the_group():
     d = Driver(sched)
     d.step()
     d.step()  # the first sample decodes, two forked it (max_num_seqs), three wait on the group's blocks
-    assert len(sched.running) == 3 and sched.groups["p"].prompt_blocks is not None
+    assert len(sched.running) == 3 and sched.kv_cache_manager.groups["p"].prompt_blocks is not None
     sched.finish_requests([r.request_id for r in group], RequestStatus.FINISHED_ABORTED)
-    assert not sched.has_unfinished_requests() and sched.groups == {}
+    assert not sched.has_unfinished_requests() and sched.kv_cache_manager.groups == {}
     assert_all_blocks_free(sched)
 
 
@@ -139,7 +139,7 @@ def test_group_prompt_holds_never_block_the_queue():
     d.run(max_steps=400)
     assert sched.num_preemptions > 0
     assert all(r.num_output_tokens == 25 for group in groups for r in group)
-    assert sched.groups == {}
+    assert sched.kv_cache_manager.groups == {}
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -173,4 +173,4 @@ def test_randomized_groups_stress(policy, prefix_caching):
     for rid, req in d.finished.items():
         out = req.output_token_ids
         assert out == script[rid][: len(out)] and (out[-1] == EOS or len(out) == 10)
-    assert sched.groups == {}
+    assert sched.kv_cache_manager.groups == {}
