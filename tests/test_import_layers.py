@@ -12,8 +12,11 @@ The order, bottom to top, and why:
   tensor-parallel layers call.
 - `forward_context`: the per-step attention metadata the model's layers read.
 - `model_executor`: layers, models, loader; knows tensors, not requests.
-- `spec_decode`: the speculative-decoding counters and the draft-making tool.
 - `structured_output`: grammars and their compilation, used by the scheduler.
+- `spec_decode`: speculative decoding in one package: the proposers (n-gram, draft model), the
+  verification (rejection sampler), the scheduler's draft rules, the counters and the
+  draft-making tool. The model runner hands the draft model its step-input builder, so the
+  package sits below the scheduler and the worker that both use it.
 - `core`: requests, scheduler, KV cache manager; knows tokens and blocks, never tensors.
 - `worker`: the model runner and the proposers; turns a scheduler output into a forward pass.
 - `executor`: how the engine core reaches the workers (`collective_rpc`), in its process or others.
@@ -53,8 +56,8 @@ LAYERS = [
     "forward_context",
     "model_executor",
     "lora",
-    "spec_decode",
     "structured_output",
+    "spec_decode",
     "core",
     "worker",
     "executor",

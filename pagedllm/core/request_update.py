@@ -1,5 +1,4 @@
-"""Applying one step's model output to a request: draft rollback, token append, stop checks,
-and which of the drafter's next proposals the request may take.
+"""Applying one step's model output to a request: draft rollback, token append, stop checks.
 
 Plain functions over a `Request`, apart from the `Scheduler`, which keeps the queues, the
 token budget, preemption and KV allocation and calls these from `update_from_output`.
@@ -8,21 +7,10 @@ token budget, preemption and KV allocation and calls these from `update_from_out
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.protocol import EngineCoreOutput
 from pagedllm.spec_decode.metrics import SpecDecodingStats
-
-if TYPE_CHECKING:
-    from pagedllm.structured_output.manager import StructuredOutputManager
-
-
-def num_lookahead_slots(num_lookahead_tokens: int, max_model_len: int, num_tokens_after_step: int) -> int:
-    """Slots for a draft model's proposals; none past max_model_len, where it never proposes
-    (so a KV cache that holds max_model_len tokens is always enough)."""
-    return min(num_lookahead_tokens, max(0, max_model_len - num_tokens_after_step))
 
 
 def update_request_with_output(
@@ -88,26 +76,3 @@ def check_stop(request: Request, token: int, max_model_len: int) -> bool:
             request.stop_reason = token
             return True
     return False
-
-
-def admissible_drafts(
-    request: Request,
-    drafts: list[int],
-    max_model_len: int,
-    speculative_config: SpeculativeConfig,
-    structured_output_manager: StructuredOutputManager,
-) -> list[int]:
-    """No more drafts than the request may still produce tokens (max_tokens, max_model_len),
-    and with a grammar only the prefix it accepts.
-
-    Cutting at the first draft the grammar refuses is lossless only when the draft is certain
-    (n-gram, or a greedy request); a sampled draft from a draft model is left to the
-    verification, which rejects it and resamples from the residual distribution.
-    """
-    room = min(request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
-    drafts = drafts[: max(room, 0)]
-    so = request.structured_output
-    certain = speculative_config.method == "ngram" or request.sampling_params.greedy
-    if so is not None and drafts and certain:
-        drafts = structured_output_manager.valid_prefix(so, drafts)
-    return drafts

@@ -26,16 +26,16 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
-from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.layers.triton_ops import use_triton_attention
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.model_executor.models.utils import IntermediateTensors
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
-from pagedllm.worker.spec_decode.draft_model import DraftModelProposer
-from pagedllm.worker.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.step_inputs import prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class ModelRunner:
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            self.drafter = DraftModelProposer(config, self.device, seed_gen)
+            self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
 
     # ---- KV cache ---------------------------------------------------------
     def _kv_layers(self) -> list[Attention]:

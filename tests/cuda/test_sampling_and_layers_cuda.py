@@ -13,9 +13,9 @@ from pagedllm.config import build_model_config
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.lora import LinearLoRA
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
-from pagedllm.model_executor.layers.rejection_sampler import accept_sampled
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata
 from pagedllm.model_executor.loader.model_loader import get_model
+from pagedllm.spec_decode.rejection_sampler import accept_sampled
 from pagedllm.spec_decode.truncated_draft import make_truncated_draft
 from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder

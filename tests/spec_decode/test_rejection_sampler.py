@@ -4,8 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagedllm.model_executor.layers.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.model_executor.layers.sampler import SamplingMetadata
+from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 
 
 def test_accept_certain_keeps_the_matching_prefix_then_the_targets_token():

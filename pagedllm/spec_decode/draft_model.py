@@ -4,53 +4,77 @@ The draft model has its own paged KV cache with the target's block ids and slots
 step it first catches up on the tokens the target just verified (plus the new token), in
 one batched pass, then proposes k tokens for the whole batch in k - 1 batched decode
 passes. Positions holding rejected drafts are simply computed again by the next catch-up.
+
+It runs below the worker: the model runner hands it its step-input builder (the one its own
+forward passes use, so both models address the same slots) and its requests' states.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
-from pagedllm.model_executor.layers.rejection_sampler import target_probs
-from pagedllm.model_executor.layers.sampler import exponential_race, greedy_argmax
+from pagedllm.model_executor.layers.sampler import SamplingMetadata, exponential_race, greedy_argmax
 from pagedllm.model_executor.loader.model_loader import get_model
-from pagedllm.worker.input_batch import CachedRequestState
-from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
-from pagedllm.worker.step_inputs import prepare_inputs
+from pagedllm.spec_decode.rejection_sampler import target_probs
+
+
+class DraftingRequest(Protocol):
+    """What the proposer reads of a request's state in the runner's batch."""
+
+    req_id: str
+    token_ids: list[int]  # known tokens, then the drafts this step verified
+    spec_token_ids: list[int]
+    start_pos: int  # tokens whose K/V the cache holds
+    block_ids: list[int]
+
+
+class MetadataBuilder(Protocol):
+    def build(self, reqs: Sequence[Any]) -> SamplingMetadata: ...
+
+
+# (token ids per request, their start positions, their block ids, block size, device) → the
+# step's inputs (`worker.step_inputs.StepInputs`: input_ids, positions, attn_metadata, ...).
+InputBuilder = Callable[[Sequence[Sequence[int]], Sequence[int], Sequence[Sequence[int]], int, torch.device], Any]
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator,
+                 prepare_inputs: InputBuilder) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.scheduler_config.max_model_len
         self.device = device
         self.generator = generator  # for unseeded random requests
+        self.prepare_inputs = prepare_inputs
         self.model = get_model(spec.draft_model_config, device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # req_id → q ([num drafts, V] float32) of the last sampled proposal; greedy requests have none.
         self.draft_probs: dict[str, torch.Tensor] = {}
 
-    def drop(self, req_ids) -> None:
+    def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.draft_probs.pop(req_id, None)
 
     @torch.inference_mode()
     def propose(
         self,
-        reqs: list[CachedRequestState],
+        reqs: list[DraftingRequest],
         new_tokens: list[list[int] | None],
-        sampling_metadata: SamplingMetadataBuilder,
+        sampling_metadata: MetadataBuilder,
     ) -> list[list[int] | None]:
         # 1. Catch up: the verified part of what the target just computed, plus the new token.
         token_ids = []
         for r, new in zip(reqs, new_tokens):
             verified = r.token_ids[: len(r.token_ids) - len(r.spec_token_ids)]
             token_ids.append(verified + new if new is not None else verified)
-        step = prepare_inputs(token_ids, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
+        step = self.prepare_inputs(token_ids, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
                               self.block_size, self.device)
         with set_forward_context(step.attn_metadata):
             hidden = self.model(step.input_ids, step.positions)
@@ -80,7 +104,7 @@ class DraftModelProposer:
             if not live:
                 break
             # 2. Feed the last draft of each live request at the next position.
-            step = prepare_inputs([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j + 1 for a in live],
+            step = self.prepare_inputs([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j + 1 for a in live],
                                   [active[a].block_ids for a in live], self.block_size, self.device)
             with set_forward_context(step.attn_metadata):
                 logits = self.model.compute_logits(self.model(step.input_ids, step.positions))
@@ -90,7 +114,8 @@ class DraftModelProposer:
                 self.draft_probs[active[a].req_id] = torch.stack(probs[a])
         return proposals
 
-    def _sample(self, logits: torch.Tensor, md, live: list[int], probs: list[list[torch.Tensor]]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata, live: list[int],
+                probs: list[list[torch.Tensor]]) -> list[int]:
         """One draft per live request: the draft's argmax for greedy requests, else a draw from
         its distribution q (same temperature / top-k / top-p as the target), q kept for verification."""
         out = greedy_argmax(logits).tolist()

@@ -1,4 +1,4 @@
-from pagedllm.worker.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
 
 
 def test_longest_suffix_match_proposes_what_followed():
