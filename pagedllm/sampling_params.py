@@ -1,10 +1,12 @@
 """Per-request sampling parameters: vLLM's names, defaults and meanings, importable from where
-vLLM has them (`SamplingParams`, `StructuredOutputsParams`, `BeamSearchParams`)."""
+vLLM has them (`SamplingParams`, `StructuredOutputsParams`, `BeamSearchParams`,
+`RequestOutputKind`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Callable
@@ -96,6 +98,16 @@ class StructuredOutputsParams:
         return "json_object", ""
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs carries: everything so far (CUMULATIVE), only what is
+    new since the previous one (DELTA: streaming, without a per-step copy of the whole output),
+    or one output at the end (FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -126,6 +138,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the processor: stop ids that min_tokens must hold back (EOS + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled in by the processor: token-id sequences for `bad_words`.
@@ -146,6 +159,11 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                             f"got {self.output_kind!r}") from None
         self._verify()
         # Union, not assignment: a decoded copy (msgspec runs __post_init__) keeps its EOS ids.
         self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)

@@ -1,5 +1,8 @@
 """Turns engine-core token outputs into RequestOutputs: detokenize, stop strings,
-logprobs, timestamps, and the fan-in of n / best_of child requests."""
+logprobs, timestamps, and the fan-in of n / best_of child requests.
+
+`SamplingParams.output_kind` says what each output carries: everything so far (CUMULATIVE),
+what is new since the last one (DELTA; the server's streams), or the end only (FINAL_ONLY)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pagedllm.engine.logprobs import PromptLogprobs, SampleLogprobs, make_logpro
 from pagedllm.engine.stop_checker import find_stop_string
 from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedllm.protocol import EngineCoreOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(slots=True)
@@ -43,15 +46,26 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # DELTA: how much of the tokens and the visible text earlier outputs carried.
+    num_sent_tokens: int = 0
+    sent_text_len: int = 0
 
     def completion(self) -> CompletionOutput:
+        """The output so far, or with DELTA what is new since the previous call."""
         text = self.detokenizer.output_text[: self.text_len] if self.detokenizer is not None else ""
+        tokens, logprobs = self.output_token_ids, self.logprobs if self.params.logprobs is not None else None
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            text, start = text[self.sent_text_len:], self.num_sent_tokens
+            tokens, logprobs = tokens[start:], logprobs[start:] if logprobs is not None else None
+            self.sent_text_len, self.num_sent_tokens = self.text_len, len(self.output_token_ids)
+        else:
+            tokens = list(tokens)
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=list(self.output_token_ids),
+            token_ids=tokens,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs if self.params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -106,7 +120,7 @@ class OutputProcessor:
         now = now or time.time()
         results: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
-        parents: dict[str, ParentRequest] = {}  # touched in this call, in order
+        parents: dict[str, tuple[ParentRequest, list[RequestState]]] = {}  # touched in this call, in order
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
@@ -121,15 +135,16 @@ class OutputProcessor:
             if state.finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.request_states[out.request_id]
+            finished = state.finish_reason is not None
             if state.parent is None:
-                results.append(self._request_output(state.request_id, state, [state.completion()],
-                                                    state.finish_reason is not None))
+                if finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    results.append(self._request_output(state.request_id, state, [state.completion()], finished))
                 continue
-            if state.finish_reason is not None:
+            if finished:
                 state.parent.num_finished += 1
-            parents[state.parent.request_id] = state.parent
-        for parent in parents.values():
-            result = self._parent_output(parent)
+            parents.setdefault(state.parent.request_id, (state.parent, []))[1].append(state)
+        for parent, touched in parents.values():
+            result = self._parent_output(parent, touched)
             if result is not None:
                 results.append(result)
         return OutputProcessorResult(results, to_abort)
@@ -188,9 +203,12 @@ class OutputProcessor:
             state.stop_reason = out.stop_reason
         return stopped_here
 
-    def _parent_output(self, parent: ParentRequest) -> RequestOutput | None:
+    def _parent_output(self, parent: ParentRequest, touched: list[RequestState]) -> RequestOutput | None:
+        """With DELTA, only the samples this call touched, each with what is new."""
         finished = parent.num_finished == len(parent.children)
         params = parent.params
+        if params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         if params.best_of > params.n:
             if not finished:
                 return None  # the best n are known only at the end
@@ -202,6 +220,8 @@ class OutputProcessor:
                 if params.logprobs is None:
                     c.logprobs = None
                 completions.append(c)
+        elif params.output_kind == RequestOutputKind.DELTA:
+            completions = [c.completion() for c in touched]
         else:
             completions = [c.completion() for c in parent.children]
         if finished:

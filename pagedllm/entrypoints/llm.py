@@ -21,7 +21,7 @@ from pagedllm.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling_params import PoolingParams, cosine, cross_encoder_prompt, pair_up
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -56,6 +56,9 @@ class LLM:
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts,
                              "sampling params")
         loras = _per_prompt(lora_request, prompts, "LoRA requests") if lora_request is not None else None
+        for p in params:
+            if isinstance(p, SamplingParams):
+                p.output_kind = RequestOutputKind.FINAL_ONLY  # only the last output is returned (as vLLM)
         ids = self._submit(self.llm_engine.add_request, prompts, params, priority, loras)
         return self._run_engine(ids, use_tqdm)
 

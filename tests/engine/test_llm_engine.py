@@ -198,3 +198,46 @@ def test_shutdown_gives_back_the_workers_hold_on_malloc(engine):
     engine.shutdown()
     engine.shutdown()  # idempotent
     assert not worker.keeps_freed_memory and worker.model_runner is None
+
+
+def _outputs_of(engine, prompt, params) -> list:
+    engine.add_request("k", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "k"]
+    return outs
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_output_kinds_carry_the_same_answer(engine, n):
+    """CUMULATIVE: everything so far per step; DELTA: only what is new (the samples a step
+    touched), adding up to the same text, tokens and logprobs; FINAL_ONLY: one output, the end."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    def params(kind):
+        return SamplingParams(n=n, temperature=0.8, seed=7, max_tokens=12, logprobs=2, stop=["e"],
+                              output_kind=kind)
+    cumulative = _outputs_of(engine, "Hello, my name is", params(RequestOutputKind.CUMULATIVE))
+    final = {c.index: c for c in cumulative[-1].outputs}
+    assert len(cumulative) > 1 and all(len(o.outputs) == n for o in cumulative)
+
+    [only] = _outputs_of(engine, "Hello, my name is", params(RequestOutputKind.FINAL_ONLY))
+    assert only.finished and {c.index: (c.text, c.token_ids) for c in only.outputs} == {
+        i: (c.text, c.token_ids) for i, c in final.items()}
+
+    deltas = _outputs_of(engine, "Hello, my name is", params(RequestOutputKind.DELTA))
+    assert len(deltas) == len(cumulative) and deltas[-1].finished
+    text, tokens, logprobs = {}, {}, {}
+    for out in deltas:
+        for c in out.outputs:
+            text[c.index] = text.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+            logprobs[c.index] = logprobs.get(c.index, []) + c.logprobs
+    assert sum(len(c.token_ids) for o in deltas for c in o.outputs) == sum(len(c.token_ids) for c in final.values())
+    for i, c in final.items():
+        assert (text[i], tokens[i], logprobs[i]) == (c.text, c.token_ids, c.logprobs)
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)

@@ -148,11 +148,12 @@ class Delta:
 
 
 class DeltaTracker:
-    """What is new in each choice since the previous cumulative output. The engine never
-    takes text back, so a delta is a plain suffix; a finished choice yields nothing more."""
+    """Each choice of a stream of DELTA outputs (`RequestOutputKind.DELTA`): what an output adds,
+    and the text and token count so far (the parsers read the whole text, usage counts tokens).
+    A finished choice yields nothing more."""
 
     def __init__(self) -> None:
-        self._text_len: dict[int, int] = {}
+        self._text: dict[int, str] = {}
         self._num_tokens: dict[int, int] = {}
         self._finished: set[int] = set()
 
@@ -160,15 +161,19 @@ class DeltaTracker:
         i = choice.index
         if i in self._finished:
             return None
-        text_len, num_tokens = self._text_len.get(i, 0), self._num_tokens.get(i, 0)
-        text, token_ids = choice.text[text_len:], choice.token_ids[num_tokens:]
-        if not text and not token_ids and choice.finish_reason is None:
+        if not choice.text and not choice.token_ids and choice.finish_reason is None:
             return None
-        self._text_len[i], self._num_tokens[i] = len(choice.text), len(choice.token_ids)
+        self._text[i] = self._text.get(i, "") + choice.text
+        self._num_tokens[i] = self._num_tokens.get(i, 0) + len(choice.token_ids)
         if choice.finish_reason is not None:
             self._finished.add(i)
-        logprobs = choice.logprobs[num_tokens:] if choice.logprobs is not None else None
-        return Delta(text, token_ids, logprobs, choice.finish_reason, choice.stop_reason)
+        return Delta(choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, choice.stop_reason)
+
+    def text(self, index: int) -> str:
+        return self._text.get(index, "")
 
     def num_tokens(self, index: int) -> int:
         return self._num_tokens.get(index, 0)
+
+    def total_tokens(self) -> int:
+        return sum(self._num_tokens.values())

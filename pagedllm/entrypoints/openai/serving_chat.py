@@ -51,7 +51,7 @@ from pagedllm.entrypoints.openai.stream_utils import (
     sse,
 )
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import MAX_LOGPROBS
+from pagedllm.sampling_params import MAX_LOGPROBS, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
         # The auto grammar yields to the request's own constraint: "auto" is then plain auto.
         auto_grammar = self.auto_grammar if params.structured_outputs is None else None
@@ -242,7 +243,8 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = chat_logprobs(d.token_ids, d.logprobs, top_n, self.tokenizer) if wants_logprobs else None
                     parser = parsers[c.index]
                     finished = d.finish_reason is not None
-                    delta = parser.delta(c.text[: len(c.text) - len(d.text)], c.text, finished) or DeltaMessage()
+                    text = tracker.text(c.index)
+                    delta = parser.delta(text[: len(text) - len(d.text)], text, finished) or DeltaMessage()
                     if delta == DeltaMessage() and not finished and not (wants_logprobs and d.token_ids):
                         continue  # text the parsers hold back (a possible tag or call markup)
                     finish = d.finish_reason
@@ -254,7 +256,7 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=d.stop_reason,
                     ), usage)
             if include_usage and last is not None:
-                yield chunk(None, output_usage([last]))
+                yield chunk(None, usage_info(prompt_tokens, tracker.total_tokens(), last.num_cached_tokens))
         except OpenAIError as e:
             yield sse(e.to_body())
         except EngineDeadError as e:

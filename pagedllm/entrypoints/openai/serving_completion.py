@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.stream_utils import (
     sse,
 )
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request, max_tokens=1 if echo_only else request.max_tokens,
             logprobs=None if echo_only else request.logprobs,
             prompt_logprobs=prompt_logprobs, best_of=request.best_of,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
         request_id = f"cmpl-{request.request_id or random_id()}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -254,7 +256,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=i * n + c.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason), usage)
             if include_usage:
-                yield chunk(None, self._usage(request, [o for o in last if o is not None]))
+                done = [(o, t) for o, t in zip(last, trackers) if o is not None]
+                num_out = 0 if echo_only else sum(t.total_tokens() for _, t in done)
+                yield chunk(None, usage_info(sum(len(o.prompt_token_ids) for o, _ in done), num_out,
+                                             sum(o.num_cached_tokens for o, _ in done)))
         except OpenAIError as e:
             yield sse(e.to_body())
         except EngineDeadError as e:

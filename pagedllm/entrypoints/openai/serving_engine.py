@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.protocol import SamplingRequest
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -186,7 +186,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         best_of: int | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
     ) -> SamplingParams:
+        """`output_kind`: DELTA for a stream (each output carries only what is new), FINAL_ONLY
+        for a single answer."""
         defaults = self.default_sampling
 
         def pick(name: str, fallback: Any) -> Any:
@@ -230,6 +233,7 @@ class OpenAIServing:
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
                 structured_outputs=structured_outputs_of(request),
+                output_kind=output_kind,
             )
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e), request)) from None

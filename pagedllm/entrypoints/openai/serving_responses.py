@@ -37,7 +37,7 @@ from pagedllm.entrypoints.openai.responses_session import ResponseRegistry, Resp
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import run_blocking
 from pagedllm.entrypoints.openai.stream_utils import EngineStreamingResponse, run_until_disconnected
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.structured_output.grammar import validate
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class OpenAIServingResponses:
         wants_logprobs = "message.output_text.logprobs" in (request.include or [])
         params = self.chat.sampling_params(request, max_tokens=request.max_output_tokens,
                                            logprobs=(request.top_logprobs or 0) if wants_logprobs else None,
-                                           prompt_logprobs=None)
+                                           prompt_logprobs=None, output_kind=RequestOutputKind.DELTA)
         own, fmt = params.structured_outputs, text_format_constraint(request.text)
         if own is not None and fmt is not None:
             raise OpenAIError("give text.format or structured_outputs, not both", param="text")
@@ -250,7 +250,8 @@ class OpenAIServingResponses:
                     d = tracker.delta(c)
                     if d is None:
                         continue
-                    delta = parser.delta(c.text[: len(c.text) - len(d.text)], c.text, d.finish_reason is not None)
+                    text = tracker.text(c.index)
+                    delta = parser.delta(text[: len(text) - len(d.text)], text, d.finish_reason is not None)
                     if d.logprobs is not None:
                         lps = chat_logprobs(d.token_ids, d.logprobs, top_n, self.chat.tokenizer)
                         held += lps.model_dump()["content"]
@@ -261,7 +262,7 @@ class OpenAIServingResponses:
                         held = []
                 session.notify()
             choice = last.outputs[0]
-            usage = _usage(builder.response.get("usage"), len(last.prompt_token_ids), len(choice.token_ids),
+            usage = _usage(builder.response.get("usage"), len(last.prompt_token_ids), tracker.num_tokens(0),
                            last.num_cached_tokens, reasoning_tokens)
             if choice.finish_reason == "length":
                 builder.finish("incomplete", incomplete_reason="max_output_tokens", usage=usage)

@@ -1,5 +1,6 @@
 """A scripted stand-in for AsyncLLM (an EngineClient), so the HTTP layer is tested without an
-engine process: each choice of a request emits the words " w0", " w1", ... one per step.
+engine process: each choice of a request emits the words " w0", " w1", ... one per step, in outputs of the
+request's `output_kind` (everything so far, what is new, or the end only).
 With `lora_config` set, adapters are checked as the engine would: a path holding no
 adapter_config.json is a ValueError."""
 
@@ -15,6 +16,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.logprobs import Logprob
 from pagedllm.engine.step_stats import IterationTokens
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 MAX_MODEL_LEN = 64
 VOCAB = 384
@@ -71,15 +73,19 @@ class FakeEngine:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
                 last = step == sampling_params.max_tokens - 1
+                kind = sampling_params.output_kind
+                if kind == RequestOutputKind.FINAL_ONLY and not last:
+                    continue
+                steps = range(step, step + 1) if kind == RequestOutputKind.DELTA else range(step + 1)
                 outs = []
                 for i in range(sampling_params.n):
-                    tokens = [10 + i + s for s in range(step + 1)]
+                    tokens = [10 + i + s for s in steps]
                     logprobs = None
                     if sampling_params.logprobs is not None:
                         logprobs = [{t: Logprob(-0.5, 1, f" w{s}"), 99: Logprob(-1.5, 2, "x")}
-                                    for s, t in enumerate(tokens)]
+                                    for s, t in zip(steps, tokens)]
                     outs.append(CompletionOutput(
-                        index=i, text="".join(f" w{s}" for s in range(step + 1)), token_ids=tokens,
+                        index=i, text="".join(f" w{s}" for s in steps), token_ids=tokens,
                         cumulative_logprob=None, logprobs=logprobs, finish_reason="length" if last else None,
                     ))
                 finished = last
