@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from pagedllm.transformers_utils import import_cache
 
 
@@ -125,18 +127,31 @@ def test_real_transformers_imports_from_the_saved_structure(tmp_path):
     assert list((tmp_path / "cache" / "transformers_imports").glob("*.json"))
 
 
+@pytest.mark.parametrize("bad", ["null", "[1, 2]", '{"d": [[{"s": ["x"]}, "y"]]}', "{not json"])
+def test_a_damaged_saved_structure_is_scanned_again(tmp_path, monkeypatch, bad):
+    """Saved files of the wrong shape (valid JSON that is not a structure, or not JSON at all)."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "a.py").write_text("A B")
+    calls: list[str] = []
+    first = _new_process_scan(calls)(str(tmp_path / "models"))
+    for saved in (tmp_path / "cache" / "transformers_imports").glob("*.json"):
+        saved.write_text(bad)
+    calls.clear()
+    assert _new_process_scan(calls)(str(tmp_path / "models")) == first and calls == ["models"]
+
+
 def test_a_damaged_cache_never_stops_the_import(tmp_path):
-    """Saved files of the wrong shape (valid JSON that is not a structure, or not JSON at all):
-    transformers still imports, scanning as without the cache."""
+    """With real transformers in fresh interpreters: a saved file of a structure's look but the
+    wrong shape, and transformers still imports, scanning as without the cache."""
     env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
     script = "import pagedllm\nfrom transformers import AutoConfig\nprint(AutoConfig.for_model('llama').model_type)"
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    for bad in ("null", "[1, 2]", '{"d": [[{"s": ["x"]}, "y"]]}', "{not json"):
-        for saved in (tmp_path / "cache" / "transformers_imports").glob("*.json"):
-            saved.write_text(bad)
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0 and run.stdout.strip() == "llama", (bad, run.stderr[-3000:])
+    for saved in (tmp_path / "cache" / "transformers_imports").glob("*.json"):
+        saved.write_text('{"d": [[{"s": ["x"]}, "y"]]}')
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "llama", run.stderr[-3000:]
 
 
 def test_the_wrapper_keeps_the_lru_cache_api(tmp_path, monkeypatch):
