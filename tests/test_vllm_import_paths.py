@@ -34,10 +34,9 @@ VLLM_EXPORTS = {
     ),
 }
 # vLLM names with no counterpart here: Ray is started by the executor itself, prompts are plain
-# dicts (PromptType), and the sampling enums / repetition detection are not implemented.
+# dicts (PromptType), and SamplingType / repetition detection are not implemented.
 NOT_IN_PAGEDLLM = frozenset({
     "initialize_ray_cluster", "TextPrompt", "TokensPrompt", "SamplingType", "RepetitionDetectionParams",
-    "RequestOutputKind",
 })
 ROOT = Path(pagedllm.__file__).parent
 

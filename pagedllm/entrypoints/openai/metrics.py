@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from pagedllm.engine.step_stats import histogram_of
 from pagedllm.entrypoints.openai.metrics_compat import check_compat, with_compat_names
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import CacheConfig
@@ -256,13 +256,16 @@ class _IterationTokens:
 
 
 class RequestTracker:
-    """Counts one request's tokens as its outputs stream in, and its latencies and sizes at the end."""
+    """Counts one request's tokens as its outputs stream in, and its latencies and sizes at the end.
+    Outputs of `RequestOutputKind.DELTA` carry only new tokens: they are added up per choice."""
 
     def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self.metrics = metrics
         self.params = params
         self._prompt_counted = False
         self._generated = 0
+        self._lengths: dict[int, int] = {}  # tokens per choice so far
+        self._delta = params is not None and params.output_kind == RequestOutputKind.DELTA
         self._last: RequestOutput | None = None
         self._last_token_time: float | None = None
         self._done = False
@@ -272,7 +275,10 @@ class RequestTracker:
         if not self._prompt_counted:
             m.count_prompt_tokens(len(out.prompt_token_ids))
             self._prompt_counted = True
-        generated = sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            before = self._lengths.get(c.index, 0) if self._delta else 0
+            self._lengths[c.index] = before + len(c.token_ids)
+        generated = sum(self._lengths.values())
         if generated > self._generated:
             m.count_generation_tokens(generated - self._generated)
             self._generated = generated
@@ -305,7 +311,7 @@ class RequestTracker:
         if out is None:
             return
         m.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        lengths = [len(c.token_ids) for c in out.outputs] or [0]
+        lengths = list(self._lengths.values()) or [0]
         m.request_generation_tokens.observe(sum(lengths))
         m.request_max_generation_tokens.observe(max(lengths))
         if self.params is not None:
@@ -330,6 +336,6 @@ class RequestTracker:
         if scheduled is not None:
             m.prefill_time.observe(max(0.0, first - scheduled))
             m.inference_time.observe(max(0.0, last - scheduled))
-        num = len(out.outputs[0].token_ids) if out.outputs else 0
+        num = self._lengths.get(0, 0)  # the first choice's tokens
         if num > 1:
             m.tpot.observe(max(0.0, last - first) / (num - 1))

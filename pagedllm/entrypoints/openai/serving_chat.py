@@ -160,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             request, max_tokens=max_tokens, logprobs=top_n if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
-            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.CUMULATIVE,
         )
         # The auto grammar yields to the request's own constraint: "auto" is then plain auto.
         auto_grammar = self.auto_grammar if params.structured_outputs is None else None

@@ -128,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request, max_tokens=1 if echo_only else request.max_tokens,
             logprobs=None if echo_only else request.logprobs,
             prompt_logprobs=prompt_logprobs, best_of=request.best_of,
-            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.CUMULATIVE,
         )
         request_id = f"cmpl-{request.request_id or random_id()}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]

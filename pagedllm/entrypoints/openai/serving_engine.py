@@ -186,10 +186,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         best_of: int | None = None,
-        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> SamplingParams:
-        """`output_kind`: DELTA for a stream (each output carries only what is new), FINAL_ONLY
-        for a single answer."""
+        """`output_kind`: DELTA for a stream (each output carries only what is new); a single
+        answer keeps CUMULATIVE, so the metrics still see every step (inter-token latency)."""
         defaults = self.default_sampling
 
         def pick(name: str, fallback: Any) -> Any:

@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.metrics_compat import vllm_names
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class _TwoCores:
@@ -70,23 +70,34 @@ def test_iteration_tokens_per_engine_core():
     assert _value(samples, "pagedllm:iteration_tokens_total_count", engine="1") == 1
 
 
-def _output(finished: bool, tokens: list[list[int]], times: RequestMetrics) -> RequestOutput:
+def _output(finished: bool, tokens: list[list[int]] | dict[int, list[int]], times: RequestMetrics) -> RequestOutput:
     reason = "length" if finished else None
-    outs = [CompletionOutput(i, "", t, None, finish_reason=reason) for i, t in enumerate(tokens)]
+    by_index = tokens if isinstance(tokens, dict) else dict(enumerate(tokens))
+    outs = [CompletionOutput(i, "", t, None, finish_reason=reason) for i, t in by_index.items()]
     return RequestOutput("r", None, [1, 2, 3, 4], outs, finished, times)
 
 
-def test_request_timings_and_sizes():
+# Three steps of two samples, as each output kind carries them (DELTA: what is new, and only the
+# samples that step touched).
+STEPS = {
+    RequestOutputKind.CUMULATIVE: [[[5], [6]], [[5, 7], [6, 8]], [[5, 7, 9], [6, 8]]],
+    RequestOutputKind.DELTA: [[[5], [6]], [[7], [8]], {0: [9]}],
+}
+
+
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_request_timings_and_sizes(kind):
     """Queue, prefill, decode and inference times from the request's timestamps; sizes and params."""
     metrics = ServerMetrics("m", max_model_len=100)
     times = RequestMetrics(arrival_time=100.0, first_scheduled_time=101.0, first_token_time=103.0,
                            last_token_time=103.0)
-    tracker = metrics.track(SamplingParams(n=2, max_tokens=3))
-    tracker.update(_output(False, [[5], [6]], times))
+    tracker = metrics.track(SamplingParams(n=2, max_tokens=3, output_kind=kind))
+    first, second, third = STEPS[kind]
+    tracker.update(_output(False, first, times))
     times.last_token_time = 104.0
-    tracker.update(_output(False, [[5, 7], [6, 8]], times))
+    tracker.update(_output(False, second, times))
     times.last_token_time, times.finished_time = 107.0, 107.0
-    tracker.update(_output(True, [[5, 7, 9], [6, 8]], times))
+    tracker.update(_output(True, third, times))
     fam = _families(metrics.render().decode())
     expected = {"request_queue_time_seconds": 1, "request_prefill_time_seconds": 2, "request_decode_time_seconds": 4,
                 "request_inference_time_seconds": 6, "e2e_request_latency_seconds": 7,
