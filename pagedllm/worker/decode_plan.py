@@ -10,13 +10,18 @@ module path's attention runs their rows as decodes too. The kernels, their
 arguments and their order are those of the module path, so its results are bit-identical to it
 (tests/model_executor/models/test_decode_plan.py).
 
-Built by the models that support it (Gemma 3), only on the C kernel path: one rank, weight-only
-quantized decoder linears in pagedllm's layout (a plan takes no more rows than their kernels:
-`linear_max_rows`), no LoRA, float32 or bf16. Anything else keeps the module path.
+The model runner sets the plans up and runs them, for any decoder whose trunk embeds and whose
+layers compute as one of the recipes here: Gemma 3's sandwich layers (four norms, q/k norm) and
+the pre-norm Llama layers (Llama, Mistral, Qwen2 with its q/k/v bias, Qwen3 with its q/k norm).
+A recipe is keyed by the `forward` it replays, so a subclass that computes otherwise (Granite's
+residual multiplier) keeps the module path. Only on the C kernel path: one rank, weight-only
+quantized decoder linears in pagedllm's layout or GGUF blocks (a plan takes no more rows than
+their kernels: `linear_max_rows`), no LoRA, float32 or bf16. Anything else keeps the module path.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from functools import partial
@@ -24,11 +29,18 @@ from functools import partial
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.model_executor.layers import cpu_kernels, gguf_ops
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.model_executor.layers.attention import chunk_runs_as_decodes
-from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
+from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+from pagedllm.model_executor.models.blocks import GatedMLP
+from pagedllm.model_executor.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3Model
+from pagedllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+from pagedllm.model_executor.models.utils import DecoderForCausalLM, DecoderStack
+
+logger = logging.getLogger(__name__)
 
 _ACT_IDS = {SiluAndMul: cpu_kernels.ACTIVATIONS["silu"], GeluTanhAndMul: cpu_kernels.ACTIVATIONS["gelu_tanh"]}
 
@@ -45,10 +57,10 @@ class PlanBuffers:
     """Inputs and activations for `rows` rows, shared by every plan of a model (each binds the
     first rows it runs) and by its layers, which run one after the other."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, dtype: torch.dtype) -> None:
-        attn_mod, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    def __init__(self, trunk: DecoderStack, rows: int, dtype: torch.dtype) -> None:
+        attn_mod, mlp = trunk.stage_layers[0].self_attn, trunk.stage_layers[0].mlp
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
-        hidden_size = model.embed_tokens.weight.shape[-1]
+        hidden_size = getattr(trunk, trunk.embed_name).weight.shape[-1]
         block_size = attn_mod.attn.kv_cache.shape[2]
         max_blocks = math.ceil(attn_mod.rotary_emb.cos_cache.shape[0] / block_size) + 1
         zeros = partial(torch.zeros, dtype=dtype)
@@ -63,16 +75,26 @@ class PlanBuffers:
         self.gate_up, self.act = zeros(rows, 2 * inter), zeros(rows, inter)
 
 
-class DecodePlan:
-    """Bound kernel calls for `rows` decode tokens through a Gemma 3 stack (embedding scale,
-    four norms per layer, fused q/k norm + rotary, sliding and global layers), on the first
-    `rows` rows of `buffers`."""
+def _embed_scale(trunk: DecoderStack, dtype: torch.dtype) -> torch.Tensor | None:
+    """What the trunk's `embed` multiplies the looked-up rows by (rounded to the activations'
+    dtype first, as Gemma's reference does); None: nothing."""
+    embed = type(trunk).embed
+    if embed is DecoderStack.embed:
+        return None
+    if embed is Gemma3Model.embed:
+        return torch.tensor(trunk.embed_scale, dtype=dtype)
+    raise Unsupported(f"the embedding of {type(trunk).__name__}")
 
-    def __init__(self, model: torch.nn.Module, rows: int, buffers: PlanBuffers) -> None:
-        layers = list(model.layers)
+
+class DecodePlan:
+    """Bound kernel calls for `rows` decode tokens through a decoder stack (the embedding, each
+    layer by its recipe, the final norm), on the first `rows` rows of `buffers`."""
+
+    def __init__(self, trunk: DecoderStack, rows: int, buffers: PlanBuffers) -> None:
+        layers = list(trunk.stage_layers)
         self.rows, self.dtype, self.nthreads = rows, buffers.hidden.dtype, torch.get_num_threads()
-        self.embed = model.embed_tokens
-        self.embed_scale = torch.tensor(model.embed_scale, dtype=self.dtype)
+        self.embed = getattr(trunk, trunk.embed_name)
+        self.embed_scale = _embed_scale(trunk, self.dtype)
         self.buffers = buffers  # the calls point into it
         # per-step inputs, written in place
         self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
@@ -81,8 +103,11 @@ class DecodePlan:
         self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
         self.calls: list[Callable[[], object]] = []
         for layer in layers:
-            self._add_layer(layer)
-        self._rms(model.norm, self.hidden, self.normed)
+            recipe = _LAYER_RECIPES.get(type(layer).forward)
+            if recipe is None:
+                raise Unsupported(f"layer {type(layer).__name__}")
+            recipe(self, layer)
+        self._rms(getattr(trunk, trunk.norm_name), self.hidden, self.normed)
 
     # -- building --
 
@@ -96,10 +121,10 @@ class DecodePlan:
     def _rms(self, norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, residual: bool = False) -> None:
         """out = norm(x) (+ out, in place, with `residual`: the kernel reads each residual vector
         before writing it)."""
-        if not isinstance(norm, GemmaRMSNorm):
+        if type(norm) not in (GemmaRMSNorm, RMSNorm) or norm.kernel_weight(x) is None:
             raise Unsupported(f"norm {type(norm).__name__}")
         w = self._dense(norm.kernel_weight(x))
-        self.calls.append(cpu_kernels.bind_rms_norm(x, w, norm.eps, True, out if residual else None, out,
+        self.calls.append(cpu_kernels.bind_rms_norm(x, w, norm.eps, norm.gemma_style, out if residual else None, out,
                                                     self.nthreads))
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -125,27 +150,28 @@ class DecodePlan:
             call = cpu_kernels.bind_w4a16_linear(x, qweight, scales, quant.group_size, bias, out, self.nthreads)
         self.calls.append(call)
 
-    def _add_layer(self, layer: torch.nn.Module) -> None:
-        attn_mod, mlp = layer.self_attn, layer.mlp
+    def _attention(self, attn_mod: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = o_proj(attention(q/k norm + rotary of qkv_proj(x))), writing this step's K/V."""
+        if type(attn_mod).forward not in (Gemma3Attention.forward, LlamaAttention.forward):
+            raise Unsupported(f"attention {type(attn_mod).__name__}")
         attn, rope = attn_mod.attn, attn_mod.rotary_emb
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
         if d % 32 or rope.rotary_dim % 32 or not rope.rotary_dim <= d <= 1024 or rope.cos_cache.dtype != torch.float32:
             raise Unsupported("head or rotary sizes the kernels do not take")
-        if attn.kv_cache.numel() == 0 or attn.kv_cache.dtype != self.dtype:
-            raise Unsupported("KV cache")
+        if attn.kv_cache.numel() == 0 or attn.kv_cache.dtype != self.dtype or attn.logits_soft_cap:
+            raise Unsupported("KV cache or logit soft-capping")
         n, b = self.rows, self.buffers
-        qkv, q, k, o, proj, gate_up, act = (b.qkv[:n], b.q[:n], b.k[:n], b.o[:n], b.proj[:n], b.gate_up[:n],
-                                            b.act[:n])
-        if qkv.shape[1] != (hq + 2 * hk) * d or q.shape[1:] != (hq, d) or act.shape[1] != mlp.down_proj.in_features:
+        qkv, q, k, o = b.qkv[:n], b.q[:n], b.k[:n], b.o[:n]
+        if qkv.shape[1] != (hq + 2 * hk) * d or q.shape[1:] != (hq, d):
             raise Unsupported("layers of different shapes")
-
-        self._rms(layer.input_layernorm, self.hidden, self.normed)
-        self._linear(attn_mod.qkv_proj, self.normed, qkv)
-        qn, kn = attn_mod.q_norm, attn_mod.k_norm
-        q_w, k_w = qn.kernel_weight(qkv), kn.kernel_weight(qkv)
-        if not isinstance(qn, GemmaRMSNorm) or type(qn) is not type(kn) or qn.eps != kn.eps:
-            raise Unsupported("q/k norms")
-        norms = (self._dense(q_w), self._dense(k_w), qn.eps, True)
+        self._linear(attn_mod.qkv_proj, x, qkv)
+        norms = None
+        if getattr(attn_mod, "qk_norm", True):  # Gemma 3 always; a Llama-family model if it says so
+            qn, kn = attn_mod.q_norm, attn_mod.k_norm
+            q_w, k_w = qn.kernel_weight(qkv), kn.kernel_weight(qkv)
+            if q_w is None or k_w is None or type(qn) is not type(kn) or qn.eps != kn.eps:
+                raise Unsupported("q/k norms")
+            norms = (self._dense(q_w), self._dense(k_w), qn.eps, qn.gemma_style)
         self.calls.append(cpu_kernels.bind_qk_norm_rope(
             qkv, hq, hk, d, norms, self._dense(rope.cos_cache), self._dense(rope.sin_cache), self.positions, q, k,
             self.nthreads))
@@ -156,23 +182,55 @@ class DecodePlan:
         self.calls.append(cpu_kernels.bind_paged_decode_attention(
             q, self._dense(k_cache), self._dense(v_cache), self.block_table, self.seq_len, attn.sliding_window,
             attn.scale, o, self.nthreads))
-        self._linear(attn_mod.o_proj, o.view(n, hq * d), proj)
+        self._linear(attn_mod.o_proj, o.view(n, hq * d), out)
+
+    def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = down_proj(act(gate) * up) of x."""
+        act_id = _ACT_IDS.get(type(mlp.act_fn)) if type(mlp).forward is GatedMLP.forward else None
+        if act_id is None:
+            raise Unsupported(f"feed-forward block {type(mlp).__name__}")
+        n, b = self.rows, self.buffers
+        gate_up, act = b.gate_up[:n], b.act[:n]
+        if act.shape[1] != mlp.down_proj.in_features:
+            raise Unsupported("layers of different shapes")
+        self._linear(mlp.gate_up_proj, x, gate_up)
+        self.calls.append(cpu_kernels.bind_act_and_mul(gate_up, act_id, act, self.nthreads))
+        self._linear(mlp.down_proj, act, out)
+
+    def _add(self, x: torch.Tensor) -> None:
+        """hidden += x: the pre-norm layers' residual adds (`hidden + x`, in place)."""
+        self.calls.append(partial(torch.add, self.hidden, x, out=self.hidden))
+
+    def _sandwich_layer(self, layer: torch.nn.Module) -> None:
+        """Gemma3DecoderLayer.forward: a norm before and after attention and the MLP, the latter
+        two adding the residual (the kernel reads each residual vector before writing it)."""
+        proj = self.buffers.proj[: self.rows]
+        self._rms(layer.input_layernorm, self.hidden, self.normed)
+        self._attention(layer.self_attn, self.normed, proj)
         self._rms(layer.post_attention_layernorm, proj, self.hidden, residual=True)
         self._rms(layer.pre_feedforward_layernorm, self.hidden, self.normed)
-        self._linear(mlp.gate_up_proj, self.normed, gate_up)
-        act_id = _ACT_IDS.get(type(mlp.act_fn))
-        if act_id is None:
-            raise Unsupported(f"activation {type(mlp.act_fn).__name__}")
-        self.calls.append(cpu_kernels.bind_act_and_mul(gate_up, act_id, act, self.nthreads))
-        self._linear(mlp.down_proj, act, proj)
+        self._mlp(layer.mlp, self.normed, proj)
         self._rms(layer.post_feedforward_layernorm, proj, self.hidden, residual=True)
+
+    def _pre_norm_layer(self, layer: torch.nn.Module) -> None:
+        """LlamaDecoderLayer.forward: hidden + attention(norm(hidden)), then + mlp(norm(hidden))."""
+        proj = self.buffers.proj[: self.rows]
+        self._rms(layer.input_layernorm, self.hidden, self.normed)
+        self._attention(layer.self_attn, self.normed, proj)
+        self._add(proj)
+        self._rms(layer.post_attention_layernorm, self.hidden, self.normed)
+        self._mlp(layer.mlp, self.normed, proj)
+        self._add(proj)
 
     # -- running --
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of the step's tokens: decodes, and the
         rows of short chunks, each as a decode of the keys up to its own position."""
-        torch.mul(self.embed.lookup(input_ids), self.embed_scale, out=self.hidden)
+        if self.embed_scale is None:
+            self.hidden.copy_(self.embed.lookup(input_ids))
+        else:
+            torch.mul(self.embed.lookup(input_ids), self.embed_scale, out=self.hidden)
         self.positions.copy_(positions.view(-1))
         self.slot.copy_(md.slot_mapping.view(-1))
         lens, table = self._seq_len_np, self._table_np
@@ -194,29 +252,44 @@ class DecodePlan:
         return self.normed.clone()
 
 
+# Each layer `forward` a plan replays, and the recipe that does.
+_LAYER_RECIPES = {Gemma3DecoderLayer.forward: DecodePlan._sandwich_layer,
+                  LlamaDecoderLayer.forward: DecodePlan._pre_norm_layer}
+
+
 class DecodePlans:
     """A model's plans by row count, on one set of buffers; dropped (`valid` False) when the KV
     cache or the thread count changes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         """Raises Unsupported where the model can run no plan."""
-        layers = list(model.layers)
+        trunk = getattr(model, model.trunk_name, None) if isinstance(model, DecoderForCausalLM) else None
+        stack = type(trunk)
+        if (type(model).forward is not DecoderForCausalLM.forward or stack.forward is not DecoderStack.forward
+                or stack.finish is not DecoderStack.finish or not stack.layers_take_positions):
+            raise Unsupported(f"{type(model).__name__}: not a decoder stack the plans know")
+        layers = list(trunk.stage_layers)
+        for layer in layers:  # before anything reads their parts
+            if (type(layer).forward not in _LAYER_RECIPES
+                    or type(layer.self_attn).forward not in (Gemma3Attention.forward, LlamaAttention.forward)
+                    or type(layer.mlp).forward is not GatedMLP.forward):
+                raise Unsupported(f"layer {type(layer).__name__}, or its attention or feed-forward block")
         device = next(model.parameters()).device
         if device.type != "cpu":  # checked before kernels(), which builds them on its first call
             raise Unsupported(f"a model on {device}: the kernels are CPU ones")
-        if cpu_kernels.kernels() is None or not layers or model.start_layer != 0 or model.end_layer != len(layers):
+        if cpu_kernels.kernels() is None or not layers or trunk.start_layer != 0 or trunk.end_layer != len(layers):
             raise Unsupported("no C kernels, or a pipeline stage")
-        dtype = model.embed_tokens.weight.dtype
+        dtype = getattr(trunk, trunk.embed_name).weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"dtype {dtype}")
         kv_cache = layers[0].self_attn.attn.kv_cache
         if kv_cache.numel() == 0:
             raise Unsupported("no KV cache bound")
-        self.model = model
+        self.trunk = trunk
         self.kv_ptr, self.nthreads = kv_cache.data_ptr(), torch.get_num_threads()
         self.windows = {layer.self_attn.attn.sliding_window for layer in layers}
-        self.buffers = PlanBuffers(model, MAX_PLAN_ROWS, dtype)
-        self.plans = {1: DecodePlan(model, 1, self.buffers)}  # raises Unsupported for the model's layers
+        self.buffers = PlanBuffers(trunk, MAX_PLAN_ROWS, dtype)
+        self.plans = {1: DecodePlan(trunk, 1, self.buffers)}  # raises Unsupported for the model's layers
         self.max_blocks = self.plans[1].block_table.shape[1]  # the block tables' width
 
     def valid(self, kv_cache: torch.Tensor) -> bool:
@@ -238,8 +311,44 @@ class DecodePlans:
         plan = self.plans.get(rows)
         if plan is None and 1 < rows <= MAX_PLAN_ROWS:
             try:
-                plan = DecodePlan(self.model, rows, self.buffers)
+                plan = DecodePlan(self.trunk, rows, self.buffers)
             except Unsupported:
                 plan = False  # e.g. more rows than a linear's kernel takes
             self.plans[rows] = plan
         return plan or None
+
+
+class DecodePlanRunner:
+    """The model runner's use of the plans: set up on the first step with a decode (again if the
+    KV cache or the thread count changes), then, each step, the plan for its row count when the
+    step can run one (decodes, and short chunks after cached context); None: the module path,
+    also where the model can run no plan, or with PAGEDLLM_DECODE_PLAN=0."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.plans: DecodePlans | None | bool = None  # False: none for this model
+
+    def plan_for(self, num_tokens: int, md: AttentionMetadata) -> DecodePlan | None:
+        plans = self.plans
+        if plans is False or num_tokens > MAX_PLAN_ROWS or md.triton is not None:
+            return None
+        if plans is None or not plans.valid(self._kv_cache()):
+            if md.decode_token_idx is None:
+                return None  # set up on a step with a decode
+            try:
+                if not envs.PAGEDLLM_DECODE_PLAN:
+                    raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
+                plans = DecodePlans(self.model)
+            except Unsupported as e:
+                logger.debug("decode plan off: %s", e)
+                plans = False
+            self.plans = plans
+            if not plans:
+                return None
+        if not plans.takes(md):
+            return None
+        return plans.get(num_tokens)
+
+    def _kv_cache(self) -> torch.Tensor:
+        return self.plans.trunk.stage_layers[0].self_attn.attn.kv_cache
+

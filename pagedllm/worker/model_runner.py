@@ -34,6 +34,7 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+from pagedllm.worker.decode_plan import DecodePlanRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
@@ -72,6 +73,11 @@ class ModelRunner:
         if config.lora_config is not None:
             mc = config.model_config
             self.lora_manager = LoRAManager(self.model, config.lora_config, mc.text_config, mc.dtype, self.device)
+        # Decode steps on the C kernels replay bound kernel calls (decode_plan.py: the CPU's CUDA graphs).
+        self.decode_plans: DecodePlanRunner | None = None
+        if (self.device.type == "cpu" and self.lora_manager is None and self.pp.world_size == 1
+                and self.pooler_config is None):
+            self.decode_plans = DecodePlanRunner(self.model)
         spec = config.speculative_config
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
@@ -270,8 +276,13 @@ class ModelRunner:
         graph_size = None
         if self.cuda_graphs is not None and intermediate is None and not extra and lora_mask is None:
             graph_size = self.cuda_graphs.bucket(step.attn_metadata, len(step.input_ids))
+        plan = None
+        if self.decode_plans is not None and intermediate is None and not extra and lora_mask is None:
+            plan = self.decode_plans.plan_for(len(step.input_ids), step.attn_metadata)
         if graph_size is not None:
             hidden = self.cuda_graphs.run(graph_size, step.input_ids, step.positions, step.attn_metadata)
+        elif plan is not None:
+            hidden = plan.run(step.input_ids, step.positions, step.attn_metadata)
         else:
             with set_forward_context(step.attn_metadata, lora_mask):
                 hidden = self.model(step.input_ids, step.positions, intermediate, **extra)

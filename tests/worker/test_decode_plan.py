@@ -1,7 +1,9 @@
 """The decode plans (decode_plan.py) against the module path they replay: the same tokens and
 bit-identical logprobs, alone and in batches of several rows (each row equal to its lone run),
-across a sliding window, in float32 and bf16, for int8 and int4 decoder linears; and where they
-do not apply (prefill, more rows than a plan takes, unquantized models) the module path runs."""
+across a sliding window, in float32 and bf16, for int8 and int4 decoder linears, for each layer
+recipe (Gemma 3's; the pre-norm Llama layers of Llama and Qwen3, with its q/k norm); and where
+they do not apply (prefill, more rows than a plan takes, unquantized models, a layer that
+computes otherwise) the module path runs."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.loader.quantize import linear_max_rows
-from pagedllm.model_executor.models import decode_plan
+from pagedllm.worker import decode_plan
+from tests.model_executor.models.test_llama_variants import make_variant
 from tests.utils import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the plan runs pagedllm's C kernels")
@@ -21,6 +24,18 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the plan 
 def gemma3_d32(tmp_path_factory) -> str:
     """tiny Gemma 3 with 32-wide heads (the kernels' multiple), sliding window 8."""
     return make_tiny_model(str(tmp_path_factory.mktemp("gemma3_d32")), "gemma3", head_dim=32, query_pre_attn_scalar=32)
+
+
+@pytest.fixture(scope="module")
+def llama_family_d32(tmp_path_factory):
+    """tiny Llama and Qwen3 (q/k norm) models with 32-wide heads."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_model(str(tmp_path_factory.mktemp(f"{arch}_d32")), arch, head_dim=32)
+        return made[arch]
+    return get
 
 
 _REAL_RUN, _REAL_TAKES = decode_plan.DecodePlan.run, decode_plan.DecodePlans.takes
@@ -89,5 +104,25 @@ def test_prompt_chunks_beside_decodes_run_the_plan(gemma3_d32, dtype, monkeypatc
 
 def test_unquantized_models_keep_the_module_path(gemma3_d32, monkeypatch):
     llm = LLM(gemma3_d32, dtype="float32", kv_cache_memory=1 << 24)
+    _, runs = _run(llm, [{"prompt_token_ids": [5, 17, 42]}], monkeypatch, plan=True)
+    assert runs == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype, quantization", [("float32", "int8"), ("bfloat16", "int4")])
+def test_pre_norm_layers_run_the_plan_bit_identical(llama_family_d32, arch, dtype, quantization, monkeypatch):
+    llm = LLM(llama_family_d32(arch), dtype=dtype, quantization=quantization, kv_cache_memory=1 << 24,
+              block_size=8, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": [5, 17, 42, 7, 99, 3]}, {"prompt_token_ids": list(range(20, 31))}]
+    for batch in (prompts[:1], prompts):
+        with_plan, runs = _run(llm, batch, monkeypatch, plan=True, max_tokens=12)
+        assert runs == [len(batch)] * 11
+        assert with_plan == _run(llm, batch, monkeypatch, plan=False, max_tokens=12)[0]
+
+
+def test_a_layer_that_computes_otherwise_keeps_the_module_path(tmp_path, monkeypatch):
+    """Granite's layers are Llama's with a residual multiplier: no recipe replays them."""
+    path = make_variant(str(tmp_path / "granite"), "granite", head_dim=32)
+    llm = LLM(path, dtype="float32", quantization="int8", kv_cache_memory=1 << 24)
     _, runs = _run(llm, [{"prompt_token_ids": [5, 17, 42]}], monkeypatch, plan=True)
     assert runs == []

@@ -8,23 +8,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.custom_op import CustomOp
 from pagedllm.model_executor.layers import cpu_kernels
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.usable(x):
-            return cpu_kernels.act_and_mul(x, "silu")
+class SiluAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.act_and_mul(x, "silu")
 
-class GeluTanhAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.usable(x):
-            return cpu_kernels.act_and_mul(x, "gelu_tanh")
+
+class GeluTanhAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.act_and_mul(x, "gelu_tanh")
 
 
 _ACTIVATIONS = {

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.custom_op import CustomOp
 from pagedllm.model_executor.layers import cpu_kernels
 
 
@@ -28,7 +29,7 @@ class _CachedScale:
         return self.value
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """Llama style: normalise in float32, cast back, then scale by `weight`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -43,14 +44,17 @@ class RMSNorm(nn.Module):
         """The float32 weight the C kernels take for input x, or None if they cannot."""
         return self._scale.get(self.weight, 0.0) if self.weight.dtype == x.dtype else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.usable(x) and self.weight.dtype == x.dtype:
-            return cpu_kernels.rms_norm(x, self.kernel_weight(x), self.eps, gemma=False)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm is one fused op, bit-identical to x * rsqrt(mean(x^2) + eps) here.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:
+            return self.forward_native(x)
+        return cpu_kernels.rms_norm(x, self.kernel_weight(x), self.eps, gemma=False)
 
-class GemmaRMSNorm(nn.Module):
+
+class GemmaRMSNorm(CustomOp):
     """Gemma style: the weight is stored as an offset from one and applied in float32."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -65,13 +69,15 @@ class GemmaRMSNorm(nn.Module):
         """The float32 weight (1 + w) the C kernels take."""
         return self._scale.get(self.weight, 1.0)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of `x`, plus `residual` when given (Gemma's post-norms feed a residual add)."""
-        scale = self._scale.get(self.weight, 1.0)
-        if cpu_kernels.usable(x) and (residual is None or residual.dtype == x.dtype):
-            return cpu_kernels.rms_norm(x, scale, self.eps, gemma=True, residual=residual)
-        out = F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
+        out = F.rms_norm(x.float(), self.weight.shape, self._scale.get(self.weight, 1.0), self.eps).to(x.dtype)
         return out if residual is None else residual + out
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None and residual.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        return cpu_kernels.rms_norm(x, self._scale.get(self.weight, 1.0), self.eps, gemma=True, residual=residual)
 
 
 class LayerNorm(nn.Module):

@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm import envs
-from pagedllm.forward_context import get_attention_metadata
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.linear import (
@@ -22,12 +20,10 @@ from pagedllm.model_executor.layers.linear import (
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.blocks import GatedMLP
-from pagedllm.model_executor.models.decode_plan import MAX_PLAN_ROWS, DecodePlan, DecodePlans, Unsupported
 from pagedllm.model_executor.models.utils import (
     PACKED_MODULES,
     DecoderForCausalLM,
     DecoderStack,
-    IntermediateTensors,
     lm_head_for,
     on_stage,
 )
@@ -100,45 +96,10 @@ class Gemma3Model(DecoderStack):
             config.num_hidden_layers, lambda i: Gemma3DecoderLayer(config, i, ropes[config.layer_types[i]]))
         self.norm = on_stage(False, lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        if (input_ids.numel() <= MAX_PLAN_ROWS and intermediate_tensors is None
-                and (plan := self._decode_plan(input_ids))):
-            return plan.run(input_ids, positions, get_attention_metadata())
-        return super().forward(input_ids, positions, intermediate_tensors)
-
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The scale is rounded to the activation dtype first, as the reference does.
         return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-
-
-
-    def _decode_plan(self, input_ids: torch.Tensor) -> DecodePlan | None:
-        """The decode plan for this step's row count (decode_plan.py) when the step can run it
-        (decodes, and short chunks after cached context): the plans are set up on the first step
-        with a decode, again if the KV cache or the thread count changes; None (the module path)
-        where the model cannot run one, or with PAGEDLLM_DECODE_PLAN=0."""
-        md, plans = get_attention_metadata(), self.__dict__.get("decode_plans")
-        if md is None or plans is False or md.triton is not None:
-            return None
-        kv_cache = self.layers[self.start_layer].self_attn.attn.kv_cache
-        if plans is None or not plans.valid(kv_cache):
-            if md.decode_token_idx is None:
-                return None  # set up on a step with a decode
-            try:
-                if not envs.PAGEDLLM_DECODE_PLAN:
-                    raise Unsupported("PAGEDLLM_DECODE_PLAN=0")
-                plans = DecodePlans(self)
-            except Unsupported as e:
-                logger.debug("decode plan off: %s", e)
-                plans = False
-            self.__dict__["decode_plans"] = plans
-            if not plans:
-                return None
-        if not plans.takes(md):
-            return None
-        return plans.get(input_ids.numel())
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
