@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.cli.flags import values_of
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_PARALLEL_TOOL_CALLS = 8
@@ -138,8 +140,7 @@ class ServerConfig:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
         """From `pagedllm serve`'s parsed arguments (after run_serve filled api_key from the environment)."""
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        values = values_of(cls, args)
         if values.get("lora_modules") and not getattr(args, "enable_lora", False):
             raise ValueError("--lora-modules needs --enable-lora")
         if values.get("log_stats_interval", 1) <= 0:
