@@ -151,14 +151,14 @@ class KVCacheManager:
         return new_blocks
 
     def _fits(self, num_new_blocks: int, computed: list[KVCacheBlock]) -> bool:
+        """Room for the new blocks, with the prompt holds dropped if that is what it takes."""
+        return self._room_for(num_new_blocks, computed) or (
+            self._release_prompt_holds() and self._room_for(num_new_blocks, computed))
+
+    def _room_for(self, num_new_blocks: int, computed: list[KVCacheBlock]) -> bool:
         """Cache hits sitting in the free queue stop being free once touched."""
-        for attempt in range(2):
-            num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-            if num_new_blocks <= self.block_pool.get_num_free_blocks() - num_evictable_hits:
-                return True
-            if attempt or not self._release_prompt_holds():
-                return False
-        return False
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        return num_new_blocks <= self.block_pool.get_num_free_blocks() - num_evictable_hits
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are now full of computed tokens.

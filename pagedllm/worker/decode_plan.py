@@ -8,7 +8,7 @@ built on the first step of that row count it takes, all on one set of buffers. B
 a step may carry prompt chunks of up to KERNEL_CHUNK_ROWS tokens after cached context: the
 module path's attention runs their rows as decodes too. The kernels, their
 arguments and their order are those of the module path, so its results are bit-identical to it
-(tests/model_executor/models/test_decode_plan.py).
+(tests/worker/test_decode_plan.py).
 
 The model runner sets the plans up and runs them, for any decoder whose trunk embeds and whose
 layers compute as one of the recipes here: Gemma 3's sandwich layers (four norms, q/k norm) and
@@ -103,10 +103,7 @@ class DecodePlan:
         self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
         self.calls: list[Callable[[], object]] = []
         for layer in layers:
-            recipe = _LAYER_RECIPES.get(type(layer).forward)
-            if recipe is None:
-                raise Unsupported(f"layer {type(layer).__name__}")
-            recipe(self, layer)
+            _recipe(layer)(self, layer)
         self._rms(getattr(trunk, trunk.norm_name), self.hidden, self.normed)
 
     # -- building --
@@ -121,9 +118,10 @@ class DecodePlan:
     def _rms(self, norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, residual: bool = False) -> None:
         """out = norm(x) (+ out, in place, with `residual`: the kernel reads each residual vector
         before writing it)."""
-        if type(norm) not in (GemmaRMSNorm, RMSNorm) or norm.kernel_weight(x) is None:
+        w = norm.kernel_weight(x) if type(norm) in (GemmaRMSNorm, RMSNorm) else None
+        if w is None:
             raise Unsupported(f"norm {type(norm).__name__}")
-        w = self._dense(norm.kernel_weight(x))
+        w = self._dense(w)
         self.calls.append(cpu_kernels.bind_rms_norm(x, w, norm.eps, norm.gemma_style, out if residual else None, out,
                                                     self.nthreads))
 
@@ -152,8 +150,6 @@ class DecodePlan:
 
     def _attention(self, attn_mod: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = o_proj(attention(q/k norm + rotary of qkv_proj(x))), writing this step's K/V."""
-        if type(attn_mod).forward not in (Gemma3Attention.forward, LlamaAttention.forward):
-            raise Unsupported(f"attention {type(attn_mod).__name__}")
         attn, rope = attn_mod.attn, attn_mod.rotary_emb
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
         if d % 32 or rope.rotary_dim % 32 or not rope.rotary_dim <= d <= 1024 or rope.cos_cache.dtype != torch.float32:
@@ -186,9 +182,9 @@ class DecodePlan:
 
     def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = down_proj(act(gate) * up) of x."""
-        act_id = _ACT_IDS.get(type(mlp.act_fn)) if type(mlp).forward is GatedMLP.forward else None
+        act_id = _ACT_IDS.get(type(mlp.act_fn))
         if act_id is None:
-            raise Unsupported(f"feed-forward block {type(mlp).__name__}")
+            raise Unsupported(f"activation {type(mlp.act_fn).__name__}")
         n, b = self.rows, self.buffers
         gate_up, act = b.gate_up[:n], b.act[:n]
         if act.shape[1] != mlp.down_proj.in_features:
@@ -252,9 +248,21 @@ class DecodePlan:
         return self.normed.clone()
 
 
-# Each layer `forward` a plan replays, and the recipe that does.
+# Each layer `forward` a plan replays, and the recipe that does; the attention and feed-forward
+# `forward`s the recipes replay.
 _LAYER_RECIPES = {Gemma3DecoderLayer.forward: DecodePlan._sandwich_layer,
                   LlamaDecoderLayer.forward: DecodePlan._pre_norm_layer}
+_ATTENTION_FORWARDS = (Gemma3Attention.forward, LlamaAttention.forward)
+
+
+def _recipe(layer: torch.nn.Module) -> Callable[[DecodePlan, torch.nn.Module], None]:
+    """The recipe replaying `layer`; Unsupported unless its attention and feed-forward block are
+    ones the recipes replay too."""
+    recipe = _LAYER_RECIPES.get(type(layer).forward)
+    if (recipe is None or type(layer.self_attn).forward not in _ATTENTION_FORWARDS
+            or type(layer.mlp).forward is not GatedMLP.forward):
+        raise Unsupported(f"layer {type(layer).__name__}, or its attention or feed-forward block")
+    return recipe
 
 
 class DecodePlans:
@@ -270,10 +278,7 @@ class DecodePlans:
             raise Unsupported(f"{type(model).__name__}: not a decoder stack the plans know")
         layers = list(trunk.stage_layers)
         for layer in layers:  # before anything reads their parts
-            if (type(layer).forward not in _LAYER_RECIPES
-                    or type(layer.self_attn).forward not in (Gemma3Attention.forward, LlamaAttention.forward)
-                    or type(layer.mlp).forward is not GatedMLP.forward):
-                raise Unsupported(f"layer {type(layer).__name__}, or its attention or feed-forward block")
+            _recipe(layer)
         device = next(model.parameters()).device
         if device.type != "cpu":  # checked before kernels(), which builds them on its first call
             raise Unsupported(f"a model on {device}: the kernels are CPU ones")
