@@ -1,18 +1,28 @@
-"""The worker's persistent view of its requests (vLLM's InputBatch), kept up to date from the
-step messages: a request arrives whole once (`NewRequestData`), then only as diffs
-(`CachedRequestData`), and is dropped when it finishes or is preempted.
+"""The worker's persistent batch (vLLM's InputBatch), kept up to date from the step messages: a
+request arrives whole once (`NewRequestData`), then only as diffs (`CachedRequestData`), and is
+dropped when it finishes or is preempted.
+
+Each request owns a row of preallocated arrays: its tokens (prompt, output, then the drafts the
+step verifies), its block table, and its sampling parameters, written when they change. A step's
+token ids, positions and block tables are then gathers over rows, and its sampling parameters
+slices, instead of tensors rebuilt from every request's lists.
 
 Every rank holds the same states, so every rank builds the same step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.step_inputs import StepInputs, build_step, token_layout
 
 
 @dataclass(slots=True, eq=False)
@@ -26,14 +36,7 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
-    # A step's part, in the row `InputBatch.update_states` makes for it:
-    token_ids: list[int] = field(default_factory=list)  # the tokens to compute (drafts last)
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
-    sample: bool = False  # does this step reach the end of the known tokens?
-
-    @property
-    def start_pos(self) -> int:
-        return self.num_computed_tokens
+    row: int = -1  # its row in the InputBatch's arrays
 
     @property
     def num_tokens(self) -> int:
@@ -49,25 +52,103 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
-class InputBatch:
-    def __init__(self) -> None:
-        self.requests: dict[str, CachedRequestState] = {}
+@dataclass(slots=True, eq=False)
+class StepRow:
+    """One request's part of one step, fixed when the step is built: with steps in flight
+    (pipeline parallel) the next message may move the request's state on before this one samples."""
 
-    def update_states(self, sched: SchedulerOutput) -> list[CachedRequestState]:
+    state: CachedRequestState
+    start_pos: int  # tokens whose K/V the cache holds before this step
+    end: int  # the known tokens this step computes end here; the drafts follow
+    spec_token_ids: list[int]  # drafts to verify
+    sample: bool  # does this step reach the end of the known tokens?
+    output_token_ids: list[int]  # the history the sampler sees (a draft's row: with the drafts before it)
+
+    @property
+    def req_id(self) -> str:
+        return self.state.req_id
+
+    @property
+    def row(self) -> int:
+        return self.state.row
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.state.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.state.sampling_params
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.state.pooling_params
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        return self.state.lora_request
+
+    @property
+    def token_type_ids(self) -> list[int] | None:
+        return self.state.token_type_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.state.block_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.state.num_tokens
+
+    @property
+    def num_scheduled(self) -> int:
+        return self.end - self.start_pos + len(self.spec_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes, drafts last."""
+        return self.state.token_slice(self.start_pos, self.end) + self.spec_token_ids
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int = 8, max_model_len: int = 256, max_num_blocks: int = 16) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)  # known tokens (drafts not counted)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks), np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, np.int64)
+        # Sampling parameters, per row, written once when the request arrives.
+        self.temperature = np.ones(max_num_reqs, np.float32)
+        self.greedy = np.zeros(max_num_reqs, bool)
+        self.top_k = np.zeros(max_num_reqs, np.int64)
+        self.top_p = np.ones(max_num_reqs, np.float32)
+        self.min_p = np.zeros(max_num_reqs, np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none asked
+        self.seeded = np.zeros(max_num_reqs, bool)
+        self.reads_history = np.zeros(max_num_reqs, bool)  # penalties or logits processors
+        self.has_masks = np.zeros(max_num_reqs, bool)  # bias, allowed ids, min_tokens, bad words
+
+    def update_states(self, sched: SchedulerOutput) -> list[StepRow]:
         """Apply one step message; returns the step's requests in row order."""
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._remove(req_id)
         for req_id in sched.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self._remove(req_id)
         for new in sched.scheduled_new_reqs:
-            self.requests[new.req_id] = _from_new(new)
+            self._add(new)
         cached = sched.scheduled_cached_reqs
+        appended = []
         for req_id, tokens, blocks, computed in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.output_token_ids.extend(tokens)
-            state.block_ids.extend(blocks)
+            if tokens:
+                appended.append((state, tokens))
+            if blocks:
+                self._write_blocks(state, blocks)
             state.num_computed_tokens = computed
+        if appended:
+            self.append_tokens(appended)
         rows = []
         drafts = sched.scheduled_spec_decode_tokens
         for req_id, n in sched.num_scheduled_tokens.items():
@@ -75,15 +156,105 @@ class InputBatch:
             spec = drafts.get(req_id, [])
             start = state.num_computed_tokens
             end = start + n - len(spec)
-            tokens = state.token_slice(start, end)
-            # A row of its own (sharing the state's lists): with steps in flight (pipeline
-            # parallel) the next message may move the state on before this step samples.
-            rows.append(replace(state, token_ids=tokens + spec if spec else tokens, spec_token_ids=spec,
-                                sample=end >= state.num_tokens))
+            if spec:
+                self._write_tokens(state.row, end, spec)
+            rows.append(StepRow(state, start, end, spec, end >= state.num_tokens, state.output_token_ids))
         return rows
 
+    def append_tokens(self, appended: Sequence[tuple[CachedRequestState, Sequence[int]]]) -> None:
+        """New output tokens of requests: their lists, and their rows in one scatter."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[int] = []
+        for state, tokens in appended:
+            n = state.num_tokens
+            state.output_token_ids.extend(tokens)
+            rows += [state.row] * len(tokens)
+            cols += range(n, n + len(tokens))
+            values += tokens
+        end = max(cols) + 1
+        if end > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, end)
+        self.token_ids[rows, cols] = values
+        self.num_tokens[rows] = np.asarray(cols) + 1  # a row's last write is its last token
 
-def _from_new(new: NewRequestData) -> CachedRequestState:
-    return CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, list(new.block_ids),
-                              new.num_computed_tokens, list(new.output_token_ids), new.pooling_params,
-                              new.token_type_ids, new.lora_request)
+    def prepare_inputs(self, rows: Sequence[StepRow], block_size: int, device: torch.device) -> StepInputs:
+        """The step's flat inputs, gathered from the rows' arrays."""
+        num = len(rows)
+        idx = np.fromiter((r.state.row for r in rows), np.int64, num)
+        starts = np.fromiter((r.start_pos for r in rows), np.int64, num)
+        query_lens = np.fromiter((r.num_scheduled for r in rows), np.int64, num)
+        layout = token_layout(query_lens, starts)
+        input_ids = self.token_ids[idx[layout.req_of_token], layout.positions].astype(np.int64)
+        max_blocks = int(-(-(starts + query_lens).max() // block_size))
+        return build_step(input_ids, layout, self.block_table[idx, :max_blocks], block_size, device)
+
+    # ---- rows -------------------------------------------------------------
+    def _add(self, new: NewRequestData) -> None:
+        if not self._free_rows:
+            self._grow_rows()
+        state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, [],
+                                   new.num_computed_tokens, [], new.pooling_params, new.token_type_ids,
+                                   new.lora_request, self._free_rows.pop())
+        self.requests[new.req_id] = state
+        row = state.row
+        self._write_tokens(row, 0, new.prompt_token_ids)
+        self.num_tokens[row] = len(new.prompt_token_ids)
+        if new.output_token_ids:  # resumed after preemption
+            self.append_tokens([(state, new.output_token_ids)])
+        self.num_blocks[row] = 0
+        self._write_blocks(state, new.block_ids)
+        self._write_params(row, new.sampling_params)
+
+    def _remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:  # a gathered table pads a shorter row with zeros, never a former request's ids
+            self.block_table[state.row, : self.num_blocks[state.row]] = 0
+            self._free_rows.append(state.row)
+
+    def _write_tokens(self, row: int, start: int, tokens: Sequence[int]) -> None:
+        end = start + len(tokens)
+        if end > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, end)
+        self.token_ids[row, start:end] = tokens
+
+    def _write_blocks(self, state: CachedRequestState, blocks: Sequence[int]) -> None:
+        state.block_ids.extend(blocks)
+        row, n = state.row, int(self.num_blocks[state.row])
+        if n + len(blocks) > self.block_table.shape[1]:
+            self.block_table = _widen(self.block_table, n + len(blocks))
+        self.block_table[row, n : n + len(blocks)] = blocks
+        self.num_blocks[row] = n + len(blocks)
+
+    def _write_params(self, row: int, p: SamplingParams | None) -> None:
+        if p is None:  # a pooling request: never sampled
+            p = _POOLING
+        self.greedy[row] = p.greedy
+        self.temperature[row] = 1.0 if p.greedy else p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.seeded[row] = p.seed is not None and not p.greedy
+        self.reads_history[row] = p.needs_output_history
+        self.has_masks[row] = bool(p.allowed_token_ids is not None or p.logit_bias or p.min_tokens
+                                   or p.bad_words_token_ids)
+
+    def _grow_rows(self) -> None:
+        old = len(self.num_tokens)
+        for name in ("token_ids", "num_tokens", "block_table", "num_blocks", "temperature", "greedy", "top_k",
+                     "top_p", "min_p", "num_logprobs", "seeded", "reads_history", "has_masks"):
+            a = getattr(self, name)
+            grown = np.zeros((2 * old,) + a.shape[1:], a.dtype)
+            grown[:old] = a
+            setattr(self, name, grown)
+        self._free_rows = list(range(2 * old - 1, old - 1, -1))
+
+
+_POOLING = SamplingParams(temperature=0)
+
+
+def _widen(a: np.ndarray, cols: int) -> np.ndarray:
+    grown = np.zeros((a.shape[0], max(cols, 2 * a.shape[1])), a.dtype)
+    grown[:, : a.shape[1]] = a
+    return grown

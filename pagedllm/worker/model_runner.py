@@ -35,7 +35,7 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.decode_plan import DecodePlanRunner
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.input_batch import InputBatch, StepRow
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
 
@@ -61,9 +61,12 @@ class ModelRunner:
         seed_gen.manual_seed(config.model_config.seed)
         self.sampler = Sampler(seed_gen)
         vocab = config.model_config.text_config.vocab_size
-        self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device)
+        sched = config.scheduler_config
+        num_spec = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len + num_spec,
+                                      -(-(sched.max_model_len + num_spec) // self.block_size))
+        self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device, self.input_batch)
         self.kv_caches: list[torch.Tensor] = []
-        self.input_batch = InputBatch()
         # The engine core does not send back the tokens sampled here: each request's state takes them.
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps between forward() and sample_tokens(), oldest first (several with pipeline parallel).
@@ -223,16 +226,15 @@ class ModelRunner:
             return
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
-        step = prepare_inputs([r.token_ids for r in reqs], [r.start_pos for r in reqs],
-                              [r.block_ids for r in reqs], self.block_size, self.device)
+        step = self.input_batch.prepare_inputs(reqs, self.block_size, self.device)
         if self.takes_token_types and any(r.token_type_ids is not None for r in reqs):  # a cross-encoder's pairs
             step.token_type_ids = torch.tensor(
                 [t for r in reqs for t in (r.token_type_ids or [0] * r.num_tokens)[r.start_pos : r.start_pos
-                                                                                   + len(r.token_ids)]],
+                                                                                   + r.num_scheduled]],
                 device=self.device)
         lora_mask = None
         if self.lora_manager is not None:
-            lora_mask = self.lora_manager.prepare([r.lora_request for r in reqs], [len(r.token_ids) for r in reqs])
+            lora_mask = self.lora_manager.prepare([r.lora_request for r in reqs], step.query_lens.tolist())
         hidden = self._run_model(step, lora_mask)
         if hidden is not None and self.pooler_config is not None:
             self._pool(reqs, hidden, step, out)
@@ -242,7 +244,7 @@ class ModelRunner:
                     out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
         self._pending.append((reqs, hidden, step.cu_end, out))
 
-    def _pool(self, reqs: list[CachedRequestState], hidden: torch.Tensor, step, out: ModelRunnerOutput) -> None:
+    def _pool(self, reqs: list[StepRow], hidden: torch.Tensor, step, out: ModelRunnerOutput) -> None:
         """The vectors of the pooling requests whose prompt this step completed."""
         done = [i for i, r in enumerate(reqs) if r.sample]
         if not done:
@@ -307,8 +309,7 @@ class ModelRunner:
         if sample_idx:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)
             if self.async_scheduling:  # the next step, already scheduled, computes these tokens
-                for i in sample_idx:
-                    reqs[i].output_token_ids.extend(out.sampled_token_ids[i])
+                self.input_batch.append_tokens([(reqs[i].state, out.sampled_token_ids[i]) for i in sample_idx])
         if self.ngram is not None:
             out.spec_token_ids = [
                 self.ngram.propose(r.prompt_token_ids + r.output_token_ids + new) if new is not None else None
@@ -318,7 +319,7 @@ class ModelRunner:
             out.spec_token_ids = self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata)
         return out
 
-    def _sample(self, reqs: list[CachedRequestState], sample_idx: list[int], hidden: torch.Tensor,
+    def _sample(self, reqs: list[StepRow], sample_idx: list[int], hidden: torch.Tensor,
                 cu_end: np.ndarray, out: ModelRunnerOutput, grammar_output: GrammarOutput | None) -> None:
         """One row per position to sample: the last token, and every draft being verified
         (row j sees the drafts before it as its history, for penalties and masks)."""
@@ -389,7 +390,7 @@ class ModelRunner:
     def _prompt_logprobs(self, r, hidden: torch.Tensor) -> list:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts p + 1)."""
         num_prompt = len(r.prompt_token_ids)
-        n = min(len(r.token_ids), num_prompt - 1 - r.start_pos)
+        n = min(r.num_scheduled, num_prompt - 1 - r.start_pos)
         targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1 : r.start_pos + 1 + n], device=hidden.device)
         with exact_logit_rows(torch.arange(n, device=hidden.device)):
             logprobs = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)

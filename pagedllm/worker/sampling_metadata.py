@@ -1,18 +1,23 @@
-"""Per-step SamplingMetadata from the scheduled requests, plus the per-request state
-that outlives a step (seeded generators, static logit bias)."""
+"""Per-step SamplingMetadata from the scheduled rows: the batch's per-row parameter arrays,
+sliced, plus the per-request state that outlives a step (seeded generators, static logit bias).
+Only the rows flagged when their request arrived (masks, penalties, seeds) are walked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from pagedllm.model_executor.layers.sampler import SamplingMetadata
-from pagedllm.worker.input_batch import CachedRequestState
+from pagedllm.worker.input_batch import InputBatch, StepRow
 
 
 class SamplingMetadataBuilder:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, batch: InputBatch) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.batch = batch
         self.generators: dict[str, torch.Generator] = {}
         self.static_bias: dict[str, torch.Tensor] = {}
 
@@ -21,44 +26,43 @@ class SamplingMetadataBuilder:
             self.generators.pop(req_id, None)
             self.static_bias.pop(req_id, None)
 
-    def build(self, reqs: list[CachedRequestState]) -> SamplingMetadata:
-        params = [r.sampling_params for r in reqs]
-        dev = self.device
-        greedy = [p.greedy for p in params]
-        all_greedy = all(greedy)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    def build(self, reqs: Sequence[StepRow]) -> SamplingMetadata:
+        b, dev = self.batch, self.device
+        idx = np.fromiter((r.state.row for r in reqs), np.int64, len(reqs))
+        greedy = b.greedy[idx]
+        all_greedy = bool(greedy.all())
+        num_logprobs = b.num_logprobs[idx]
         md = SamplingMetadata(
             temperature=None, top_k=None, top_p=None, greedy=None, all_greedy=all_greedy, generators={},
-            max_num_logprobs=max(logprobs) if logprobs else None,
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         )
-        for row, (r, p) in enumerate(zip(reqs, params)):
-            self._add_masks(md, row, r)
-            if p.needs_output_history:
-                if p.logits_processors:
-                    md.logits_processors[row] = (p.logits_processors, r.prompt_token_ids, r.output_token_ids)
-                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                    md.penalty_rows.append(row)
-                    md.prompt_token_ids.append(r.prompt_token_ids)
-                    md.output_token_ids.append(r.output_token_ids)
-                    md.presence_penalties.append(p.presence_penalty)
-                    md.frequency_penalties.append(p.frequency_penalty)
-                    md.repetition_penalties.append(p.repetition_penalty)
+        for row in np.flatnonzero(b.has_masks[idx]).tolist():
+            self._add_masks(md, row, reqs[row])
+        for row in np.flatnonzero(b.reads_history[idx]).tolist():
+            r = reqs[row]
+            p = r.sampling_params
+            if p.logits_processors:
+                md.logits_processors[row] = (p.logits_processors, r.prompt_token_ids, r.output_token_ids)
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                md.penalty_rows.append(row)
+                md.prompt_token_ids.append(r.prompt_token_ids)
+                md.output_token_ids.append(r.output_token_ids)
+                md.presence_penalties.append(p.presence_penalty)
+                md.frequency_penalties.append(p.frequency_penalty)
+                md.repetition_penalties.append(p.repetition_penalty)
         if all_greedy:
             return md
-        for row, (r, p) in enumerate(zip(reqs, params)):
-            if p.seed is not None and not p.greedy:
-                md.generators[row] = self._generator(r.req_id, p.seed)
+        for row in np.flatnonzero(b.seeded[idx]).tolist():
+            md.generators[row] = self._generator(reqs[row].req_id, reqs[row].sampling_params.seed)
         # top_k >= vocab keeps everything: off (as vLLM), and topk() could not take it.
-        top_k = [p.top_k if p.top_k < self.vocab_size else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        md.temperature = torch.tensor(
-            [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32, device=dev
-        )
-        md.greedy = torch.tensor(greedy, device=dev)
-        md.top_k = torch.tensor(top_k, device=dev) if any(top_k) else None
-        md.top_p = torch.tensor(top_p, dtype=torch.float32, device=dev) if min(top_p) < 1.0 else None
-        md.min_p = torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None
+        top_k = b.top_k[idx]
+        top_k[top_k >= self.vocab_size] = 0
+        top_p, min_p = b.top_p[idx], b.min_p[idx]
+        md.temperature = torch.from_numpy(b.temperature[idx]).to(dev)
+        md.greedy = torch.from_numpy(greedy).to(dev)
+        md.top_k = torch.from_numpy(top_k).to(dev) if top_k.any() else None
+        md.top_p = torch.from_numpy(top_p).to(dev) if top_p.min() < 1.0 else None
+        md.min_p = torch.from_numpy(min_p).to(dev) if min_p.any() else None
         return md
 
     def _generator(self, req_id: str, seed: int) -> torch.Generator:
@@ -69,7 +73,7 @@ class SamplingMetadataBuilder:
             self.generators[req_id] = gen
         return gen
 
-    def _add_masks(self, md: SamplingMetadata, row: int, r: CachedRequestState) -> None:
+    def _add_masks(self, md: SamplingMetadata, row: int, r: StepRow) -> None:
         p = r.sampling_params
         if p.allowed_token_ids is not None or p.logit_bias:
             bias = self.static_bias.get(r.req_id)

@@ -28,6 +28,26 @@ class StepInputs:
     token_type_ids: torch.Tensor | None = None  # [T], BERT's segment of each token (text pairs)
 
 
+@dataclass(slots=True)
+class TokenLayout:
+    """Where each request's tokens sit in the flat batch, and their positions."""
+
+    query_lens: np.ndarray  # [R]
+    starts: np.ndarray  # [R]
+    cu_start: np.ndarray  # [R]
+    cu_end: np.ndarray  # [R]
+    req_of_token: np.ndarray  # [T] the request of each flat token
+    positions: np.ndarray  # [T]
+
+
+def token_layout(query_lens: np.ndarray, starts: np.ndarray) -> TokenLayout:
+    cu_end = np.cumsum(query_lens)
+    cu_start = cu_end - query_lens
+    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = np.arange(int(cu_end[-1])) - cu_start[req_of_token] + starts[req_of_token]
+    return TokenLayout(query_lens, starts, cu_start, cu_end, req_of_token, positions)
+
+
 def prepare_inputs(
     token_ids: Sequence[Sequence[int]],
     starts: Sequence[int],
@@ -35,22 +55,28 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
 ) -> StepInputs:
+    """The step's inputs from per-request lists (a draft model's steps, warm-up, profiling); the
+    runner's batch gathers the same arrays from its rows (`InputBatch.prepare_inputs`)."""
     num_reqs = len(token_ids)
     query_lens = np.fromiter((len(t) for t in token_ids), np.int64, num_reqs)
-    starts = np.asarray(starts, dtype=np.int64)
-    cu_end = np.cumsum(query_lens)
-    cu_start = cu_end - query_lens
-    total = int(cu_end[-1])
-    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    positions = np.arange(total) - cu_start[req_of_token] + starts[req_of_token]
-    seq_lens = starts + query_lens
-    max_blocks = int(-(-seq_lens.max() // block_size))
+    layout = token_layout(query_lens, np.asarray(starts, dtype=np.int64))
+    max_blocks = int(-(-(layout.starts + query_lens).max() // block_size))
     block_table = np.zeros((num_reqs, max_blocks), np.int64)
     for i, ids in enumerate(block_ids):
         n = min(len(ids), max_blocks)
         block_table[i, :n] = ids[:n]
+    input_ids = np.fromiter((t for toks in token_ids for t in toks), np.int64, len(layout.positions))
+    return build_step(input_ids, layout, block_table, block_size, device)
+
+
+def build_step(input_ids: np.ndarray, layout: TokenLayout, block_table: np.ndarray, block_size: int,
+               device: torch.device) -> StepInputs:
+    """Slots and attention metadata from the flat tokens and each request's block table [R, B]
+    (B covering its longest sequence)."""
+    query_lens, starts, cu_start, cu_end = layout.query_lens, layout.starts, layout.cu_start, layout.cu_end
+    positions, req_of_token = layout.positions, layout.req_of_token
+    seq_lens = starts + query_lens
     slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
-    input_ids = np.fromiter((t for toks in token_ids for t in toks), np.int64, total)
 
     is_decode = (query_lens == 1) & (starts > 0)
     decode_rows = np.nonzero(is_decode)[0]

@@ -18,7 +18,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.input_batch import InputBatch, StepRow
 
 BS = 4
 EOS = 2
@@ -75,7 +75,7 @@ class StepView:
     """One step as a worker sees it: the decoded message and its requests, snapshotted."""
 
     message: SchedulerOutput
-    scheduled: list[CachedRequestState]
+    scheduled: list[StepRow]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.message, name)
@@ -91,8 +91,11 @@ class WorkerView:
     def apply(self, out: SchedulerOutput) -> StepView:
         message = self.decoder.decode(msgspec.msgpack.encode(out))
         rows = self.batch.update_states(message)
-        return StepView(message, [replace(r, block_ids=list(r.block_ids), output_token_ids=list(r.output_token_ids))
-                                  for r in rows])
+        snapshots = []
+        for r in rows:
+            state = replace(r.state, block_ids=list(r.block_ids), output_token_ids=list(r.state.output_token_ids))
+            snapshots.append(replace(r, state=state, output_token_ids=state.output_token_ids))
+        return StepView(message, snapshots)
 
 
 class Driver:

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import build_model_config
+from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.lora import LinearLoRA
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
@@ -17,7 +18,7 @@ from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.spec_decode.rejection_sampler import accept_sampled
 from pagedllm.spec_decode.truncated_draft import make_truncated_draft
-from pagedllm.worker.input_batch import CachedRequestState
+from pagedllm.worker.input_batch import InputBatch, StepRow
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
 
@@ -27,24 +28,32 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 VOCAB = 300
 
 
-def _requests() -> list[CachedRequestState]:
-    def req(req_id: str, output: list[int], **params) -> CachedRequestState:
-        return CachedRequestState(req_id, [1, 2, 3], SamplingParams(temperature=0, logprobs=2, **params), [0], 3,
-                                  output, token_ids=[0], sample=True)
+def _requests() -> tuple[InputBatch, list[StepRow]]:
+    def req(req_id: str, output: list[int], **params) -> NewRequestData:
+        return NewRequestData(req_id, [1, 2, 3], SamplingParams(temperature=0, logprobs=2, **params), [0],
+                              2 + len(output), output_token_ids=output)
 
-    return [
+    new = [
         req("plain", [4, 4, 5]),
         req("penalties", [7, 7, 9], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
         req("bias", [], logit_bias={5: 3.0, 6: -2.0}, allowed_token_ids=[5, 6, 7, 8]),
         req("min_tokens", [3], min_tokens=4, stop_token_ids=[11, 12]),
     ]
+    batch = InputBatch()
+    return batch, batch.update_states(SchedulerOutput(scheduled_new_reqs=new,
+                                                      num_scheduled_tokens={n.req_id: 1 for n in new}))
+
+
+def _metadata(device: torch.device):
+    batch, rows = _requests()
+    return SamplingMetadataBuilder(VOCAB, device, batch).build(rows)
 
 
 def test_masks_bias_penalties_and_logprobs_equal_the_cpu():
     torch.manual_seed(0)
     logits = torch.randn(4, VOCAB)
     cpu, gpu = (Sampler(torch.Generator(device=device).manual_seed(0))(  # a copy each: the sampler masks in place
-        logits.to(device, copy=True), SamplingMetadataBuilder(VOCAB, device).build(_requests()))
+        logits.to(device, copy=True), _metadata(device))
         for device in (CPU, CUDA))
     assert gpu.sampled_token_ids.tolist() == cpu.sampled_token_ids.tolist()
     assert gpu.logprob_token_ids.tolist() == cpu.logprob_token_ids.tolist()
