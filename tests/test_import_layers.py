@@ -220,6 +220,16 @@ def test_every_pagedllm_variable_named_in_the_package_is_declared():
         envs.set_variable("PAGEDLLM_NOT_A_SETTING", "1")
 
 
+def test_the_platform_choice_is_made_in_custom_op_only():
+    """Layers pick their kernels through `custom_op` (vLLM's CustomOp dispatch, `platform_of`,
+    `CustomFn`), never by asking `cpu_kernels.usable` themselves."""
+    home = {ROOT / "model_executor" / "custom_op.py", ROOT / "model_executor" / "layers" / "cpu_kernels.py"}
+    found = [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for path in sorted(ROOT.rglob("*.py"))
+             if path not in home for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "usable"]
+    assert not found, "kernel choices outside model_executor/custom_op.py:\n" + "\n".join(found)
+
+
 def _scheduler_uses(text: str) -> list[tuple[int, str]]:
     """(line, attribute) of every `<...>.scheduler.<attribute>` and `scheduler.<attribute>`."""
     found = []

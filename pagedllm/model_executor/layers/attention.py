@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.forward_context import AttentionMetadata, DecodeView, PrefillSegment, get_attention_metadata
+from pagedllm.model_executor.custom_op import platform_of
 from pagedllm.model_executor.layers import cpu_kernels
 
 # Query rows per SDPA call under a sliding window: a tile costs rows x (rows + window - 1)
@@ -151,7 +152,7 @@ class Attention(nn.Module):
     def _use_kernel(self, q: torch.Tensor) -> bool:
         """pagedllm's C decode kernel: reads each sequence's keys in place through its block
         table, once for all query heads sharing them, with no gather and no padding mask."""
-        return self.head_dim % 32 == 0 and cpu_kernels.usable(q)
+        return self.head_dim % 32 == 0 and platform_of(q) == "cpu"
 
     def _prefill(
         self,

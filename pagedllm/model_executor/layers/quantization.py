@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import cpu_isa
+from pagedllm.model_executor.custom_op import CustomFn, platform_of
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
 
@@ -237,11 +238,12 @@ class DynamicInt8Quant(nn.Module):
         return out.mul_(scale.to(self.out_dtype)).to(x.dtype)
 
 
-def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+def _top_k_native(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's k best indices, in any order (ties: any valid choice)."""
-    if cpu_kernels.usable(logits):
-        return cpu_kernels.topk_indices(logits, k)
     return logits.topk(k, dim=-1).indices
+
+
+top_k_indices = CustomFn(_top_k_native, cpu=lambda logits, k: cpu_kernels.topk_indices(logits, k))
 
 
 # Candidates re-scored when W8A8 ranked them: its logits are ~10x closer to the float head's
@@ -277,7 +279,7 @@ class QuantizedLMHead(nn.Module):
             top_k = min(top_k, DYNAMIC_TOP_K)
         if top_k:
             idx = top_k_indices(logits, top_k)
-            if cpu_kernels.usable(logits, hidden, weight) and weight.is_contiguous():
+            if platform_of(logits, hidden, weight) == "cpu" and weight.is_contiguous():
                 cpu_kernels.rescore_logits(logits, idx, hidden, weight)
             else:
                 exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)

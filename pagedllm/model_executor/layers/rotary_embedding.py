@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model_executor.custom_op import platform_of
 from pagedllm.model_executor.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class RotaryEmbedding(nn.Module):
             and self.cos_cache.dtype == torch.float32
             and positions.dtype == torch.int64
             and positions.is_contiguous()
-            and cpu_kernels.usable(qkv)
+            and platform_of(qkv) == "cpu"
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.model_executor.custom_op import CustomFn
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.penalties import apply_penalties
 
@@ -180,17 +181,13 @@ def exponential_race(
 _ARGMAX_CHUNK = 1024
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def _argmax_native(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum's index of each row, as `max(dim).indices` gives it (a NaN wins).
     On CPU one pass of pagedllm's C kernel. On a GPU `argmax`: one reduction kernel, where the
     two passes below are five launches. Otherwise two passes: the maximum of each chunk
     of the vocabulary (`amax`, vectorised), then the index within the first chunk holding the
     row's maximum; over a [64, 262144] bf16 head ~3x faster than `max(dim)`, and `argmax` over
     bf16 is slower still (it is not vectorised on CPU)."""
-    if cpu_kernels.usable(logits):
-        return cpu_kernels.argmax_rows(logits)
-    if logits.device.type == "cuda":
-        return logits.argmax(dim=-1)
     vocab = logits.shape[1]
     n = vocab // _ARGMAX_CHUNK
     if n < 4:
@@ -202,6 +199,10 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     # A short tail chunk repeats its last column: repeats come after it, so the first maximum holds.
     cols = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
     return start + logits.gather(1, cols).max(dim=-1).indices
+
+
+greedy_argmax = CustomFn(_argmax_native, cpu=lambda logits: cpu_kernels.argmax_rows(logits),
+                         cuda=lambda logits: logits.argmax(dim=-1))
 
 
 def sampling_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
