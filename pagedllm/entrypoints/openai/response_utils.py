@@ -130,10 +130,13 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     )
 
 
-def output_usage(outputs: list[RequestOutput]) -> UsageInfo:
-    """Usage summed over prompts and their choices (the prompt counts once per prompt)."""
+def output_usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> UsageInfo:
+    """Usage summed over prompts and their choices (the prompt counts once per prompt).
+    `completion_tokens`: counted by the caller (a stream of DELTA outputs, whose last output
+    holds only its own tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = (sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None
+                  else completion_tokens)
     cached = sum(o.num_cached_tokens for o in outputs)
     return usage_info(prompt, completion, cached)
 
@@ -154,6 +157,7 @@ class DeltaTracker:
 
     def __init__(self) -> None:
         self._text: dict[int, str] = {}
+        self._last_len: dict[int, int] = {}  # the length of each choice's last delta text
         self._num_tokens: dict[int, int] = {}
         self._finished: set[int] = set()
 
@@ -164,13 +168,16 @@ class DeltaTracker:
         if not choice.text and not choice.token_ids and choice.finish_reason is None:
             return None
         self._text[i] = self._text.get(i, "") + choice.text
+        self._last_len[i] = len(choice.text)
         self._num_tokens[i] = self._num_tokens.get(i, 0) + len(choice.token_ids)
         if choice.finish_reason is not None:
             self._finished.add(i)
         return Delta(choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, choice.stop_reason)
 
-    def text(self, index: int) -> str:
-        return self._text.get(index, "")
+    def texts(self, index: int) -> tuple[str, str]:
+        """The choice's text before its last delta and after it: what a stream parser compares."""
+        text = self._text.get(index, "")
+        return text[: len(text) - self._last_len.get(index, 0)], text
 
     def num_tokens(self, index: int) -> int:
         return self._num_tokens.get(index, 0)

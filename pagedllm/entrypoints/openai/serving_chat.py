@@ -243,8 +243,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = chat_logprobs(d.token_ids, d.logprobs, top_n, self.tokenizer) if wants_logprobs else None
                     parser = parsers[c.index]
                     finished = d.finish_reason is not None
-                    text = tracker.text(c.index)
-                    delta = parser.delta(text[: len(text) - len(d.text)], text, finished) or DeltaMessage()
+                    delta = parser.delta(*tracker.texts(c.index), finished) or DeltaMessage()
                     if delta == DeltaMessage() and not finished and not (wants_logprobs and d.token_ids):
                         continue  # text the parsers hold back (a possible tag or call markup)
                     finish = d.finish_reason

@@ -162,12 +162,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                             text=text, special_ids=self.special_ids)
 
     @staticmethod
-    def _usage(request: CompletionRequest, outputs: list[RequestOutput]) -> UsageInfo:
-        usage = output_usage(outputs)
-        if _echo_only(request):  # the engine's one token is not returned
-            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            usage = usage_info(usage.prompt_tokens, 0, cached)
-        return usage
+    def _usage(request: CompletionRequest, outputs: list[RequestOutput], completion_tokens: int | None = None
+               ) -> UsageInfo:
+        """The prompts' final outputs' usage; echo with max_tokens 0 returns none of the engine's one token."""
+        return output_usage(outputs, 0 if _echo_only(request) else completion_tokens)
 
     def _echo_logprobs(self, request: CompletionRequest, prompt: _Prompt, out: RequestOutput) -> tuple[list, list]:
         """Prompt token ids and their logprobs (None where the engine has none), for echo."""
@@ -257,9 +255,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=d.stop_reason), usage)
             if include_usage:
                 done = [(o, t) for o, t in zip(last, trackers) if o is not None]
-                num_out = 0 if echo_only else sum(t.total_tokens() for _, t in done)
-                yield chunk(None, usage_info(sum(len(o.prompt_token_ids) for o, _ in done), num_out,
-                                             sum(o.num_cached_tokens for o, _ in done)))
+                yield chunk(None, self._usage(request, [o for o, _ in done], sum(t.total_tokens() for _, t in done)))
         except OpenAIError as e:
             yield sse(e.to_body())
         except EngineDeadError as e:

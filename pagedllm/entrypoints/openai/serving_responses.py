@@ -250,8 +250,7 @@ class OpenAIServingResponses:
                     d = tracker.delta(c)
                     if d is None:
                         continue
-                    text = tracker.text(c.index)
-                    delta = parser.delta(text[: len(text) - len(d.text)], text, d.finish_reason is not None)
+                    delta = parser.delta(*tracker.texts(c.index), d.finish_reason is not None)
                     if d.logprobs is not None:
                         lps = chat_logprobs(d.token_ids, d.logprobs, top_n, self.chat.tokenizer)
                         held += lps.model_dump()["content"]

@@ -265,13 +265,13 @@ def test_delta_tracker_adds_up_deltas_and_stops_after_finish():
     assert (d.text, d.token_ids) == ("He", [1])
     assert t.delta(_choice(0, "", [])) is None  # nothing new
     d = t.delta(_choice(0, "", [2]))  # a token whose text is held back
-    assert (d.text, d.token_ids) == ("", [2])
+    assert (d.text, d.token_ids) == ("", [2]) and t.texts(0) == ("He", "He")
     d = t.delta(_choice(0, "llo", [3], "stop", "!"))
     assert (d.text, d.token_ids, d.finish_reason, d.stop_reason) == ("llo", [3], "stop", "!")
-    assert t.text(0) == "Hello" and t.num_tokens(0) == 3
+    assert t.texts(0) == ("He", "Hello") and t.num_tokens(0) == 3
     assert t.delta(_choice(0, "", [], "stop")) is None and t.num_tokens(0) == 3
     assert t.delta(_choice(1, "x", [4], "length")).finish_reason == "length"  # choices are independent
-    assert t.total_tokens() == 4 and t.text(1) == "x"
+    assert t.total_tokens() == 4 and t.texts(1) == ("", "x")
 
 
 def test_sse_framing_and_chunk_shape():

@@ -161,7 +161,8 @@ def test_deeply_nested_bodies_are_400_naming_the_limit(fake_engine, path, templa
     client = TestClient(_app(fake_engine), raise_server_exceptions=False)
     t0 = time.monotonic()
     _error(_post_raw(client, path, template % schema), 400, "nested more than 64 levels deep")
-    assert time.monotonic() - t0 < 1.0 and fake_engine.calls == []
+    # Loose: the first request also starts the app, and the suite shares two cores.
+    assert time.monotonic() - t0 < 5.0 and fake_engine.calls == []
 
 
 def test_nesting_real_schemas_need_passes(fake_engine):
