@@ -13,20 +13,11 @@ from torch import nn
 
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
-from pagedllm.model_executor.layers.linear import (
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagedllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.blocks import GatedMLP
-from pagedllm.model_executor.models.utils import (
-    PACKED_MODULES,
-    DecoderForCausalLM,
-    DecoderStack,
-    lm_head_for,
-    on_stage,
-)
+from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderForCausalLM, DecoderStack, lm_head_for, on_stage
 
 logger = logging.getLogger(__name__)
 
