@@ -6,6 +6,7 @@ bitmask for N + 1 must see step N's token), worker processes, and the server."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from functools import partial
 
 import openai
@@ -60,6 +61,7 @@ def _run(model: str, async_scheduling: bool, prompts, sampling, **kw):
     return result, [o.prompt_logprobs for o in outs], stats, most[0]
 
 
+@functools.cache
 def _stop_token(model: str) -> int:
     """A token the last prompt's greedy answer has at its 6th position (and not before)."""
     llm = LLM(model, dtype="float32", kv_cache_memory=1 << 24)
