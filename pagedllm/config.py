@@ -147,16 +147,28 @@ class DeviceConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
+@dataclass(slots=True, frozen=True)
+class MedusaConfig:
+    """Medusa heads' shape (`spec_decode/medusa.py` reads it from their files)."""
+
+    num_heads: int
+    num_layers: int  # residual blocks per head
+    hidden_size: int
+    vocab_size: int
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Draft tokens proposed each step and verified by the target in one forward pass."""
 
-    method: str  # "ngram" or "draft_model"
+    method: str  # "ngram", "draft_model" or "medusa"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int = 0  # ngram: longest
-    model: str | None = None  # draft_model: the draft model's name or path, as given
+    model: str | None = None  # draft_model / medusa: the draft model's or heads' name or path, as given
     draft_model_config: ModelConfig | None = None  # draft_model only
+    heads_path: str | None = None  # medusa: the heads' resolved directory
+    medusa_config: MedusaConfig | None = None  # medusa only
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -439,8 +451,8 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
     method = spec.get("method") or ("draft_model" if spec.get("model") else None)
     if method in ("[ngram]", "ngram") or spec.get("model") == "[ngram]":
         method = "ngram"
-    if method not in ("ngram", "draft_model"):
-        raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+    if method not in ("ngram", "draft_model", "medusa"):
+        raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or 'medusa', got {method!r}")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -455,7 +467,8 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
         config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
         return config
     if not spec.get("model"):
-        raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path to the draft model)")
+        what = "the draft model" if method == "draft_model" else "the Medusa heads"
+        raise ValueError(f"speculative_config: method {method!r} needs 'model' (a path to {what})")
     config.model = spec["model"]
     return config
 

@@ -37,6 +37,7 @@ from pagedllm.config import (
     resolve_device,
 )
 from pagedllm.model_executor.models.registry import ModelRegistry
+from pagedllm.spec_decode.medusa import medusa_config
 from pagedllm.structured_output.reasoner import THINK_TAGS
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import (
@@ -115,7 +116,8 @@ class EngineArgs:
                                           "else none", choices=QUANTIZATION_CHOICES, aliases=("-q",))
     speculative_config: dict | str | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
-              '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+              '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or '
+              '\'{"method": "medusa", "model": HEADS_PATH, "num_speculative_tokens": 3}\'')
     reasoning_parser: str | None = _arg(None, "the model thinks first, in <think> tags: the server returns that as "
                                               "reasoning_content, and structured outputs constrain only the answer "
                                               "after it", choices=tuple(sorted(THINK_TAGS)))
@@ -255,6 +257,10 @@ class EngineArgs:
                 self.quantization,
             )
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
+        if speculative_config is not None and speculative_config.method == "medusa":
+            speculative_config.heads_path = resolve_model_path(speculative_config.model)
+            speculative_config.medusa_config = medusa_config(speculative_config, speculative_config.heads_path,
+                                                             model_config)
         check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
                                 speculative_config is not None and speculative_config.method == "draft_model")
         if self.async_scheduling:

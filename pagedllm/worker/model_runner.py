@@ -31,6 +31,7 @@ from pagedllm.model_executor.layers.triton_ops import use_triton_attention
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.model_executor.models.utils import IntermediateTensors
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.medusa import MedusaProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
@@ -82,9 +83,12 @@ class ModelRunner:
                 and self.pooler_config is None):
             self.decode_plans = DecodePlanRunner(self.model)
         spec = config.speculative_config
-        self.ngram = self.drafter = None
+        self.ngram = self.drafter = self.medusa = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None and spec.method == "medusa":
+            self.medusa = MedusaProposer(spec.heads_path, spec.medusa_config, spec.num_speculative_tokens,
+                                         config.model_config.dtype, self.device)
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
 
@@ -317,7 +321,20 @@ class ModelRunner:
             ]
         elif self.drafter is not None and reqs:
             out.spec_token_ids = self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata)
+        elif self.medusa is not None:
+            out.spec_token_ids = self._medusa_drafts(reqs, hidden, cu_end, out.sampled_token_ids)
         return out
+
+    def _medusa_drafts(self, reqs: list[StepRow], hidden: torch.Tensor, cu_end: np.ndarray,
+                       sampled: list[list[int] | None]) -> list[list[int] | None]:
+        """Drafts from the hidden row each sampling request's last token came from: its last
+        row, or after a verification the row of its last accepted draft."""
+        due = [i for i, new in enumerate(sampled) if new is not None]
+        rows = [int(cu_end[i]) - 1 - len(reqs[i].spec_token_ids) + len(sampled[i]) - 1 for i in due]
+        drafts: list[list[int] | None] = [None] * len(reqs)
+        for i, proposal in zip(due, self.medusa.propose(hidden, rows)):
+            drafts[i] = proposal
+        return drafts
 
     def _sample(self, reqs: list[StepRow], sample_idx: list[int], hidden: torch.Tensor,
                 cu_end: np.ndarray, out: ModelRunnerOutput, grammar_output: GrammarOutput | None) -> None:

@@ -1,5 +1,6 @@
-"""`pagedllm serve --speculative-config ...`: the same greedy text as offline without speculation,
-streamed text equal to non-streamed, draft counters on /metrics, a bad config refused at start."""
+"""`pagedllm serve --speculative-config ...` (n-gram and Medusa heads): the same greedy text as
+offline without speculation, streamed text equal to non-streamed, draft counters on /metrics, a
+bad config refused at start."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, read_metrics, serve_tiny
+from tests.spec_decode.test_medusa import _identity_heads
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
 
-@pytest.fixture(scope="module")
-def spec_server(tiny_llama, tmp_path_factory):
-    yield from serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", NGRAM))
+@pytest.fixture(scope="module", params=["ngram", "medusa"])
+def spec_server(request, tiny_llama, tmp_path_factory):
+    spec = NGRAM
+    if request.param == "medusa":
+        heads = _identity_heads(tiny_llama, str(tmp_path_factory.mktemp("medusa")))
+        spec = json.dumps({"method": "medusa", "model": heads, "num_speculative_tokens": 3})
+    yield from serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", spec))
 
 
 def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
