@@ -314,9 +314,10 @@ class ModelRunner:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)
             if self.async_scheduling:  # the next step, already scheduled, computes these tokens
                 self.input_batch.append_tokens([(reqs[i].state, out.sampled_token_ids[i]) for i in sample_idx])
-        if self.ngram is not None:
+        if self.ngram is not None:  # each request's tokens from its batch row, then the new ones
+            tokens = self.input_batch.token_ids
             out.spec_token_ids = [
-                self.ngram.propose(r.prompt_token_ids + r.output_token_ids + new) if new is not None else None
+                self.ngram.propose(np.concatenate((tokens[r.row, : r.num_tokens], new))) if new is not None else None
                 for r, new in zip(reqs, out.sampled_token_ids)
             ]
         elif self.drafter is not None and reqs:
