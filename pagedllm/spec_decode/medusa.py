@@ -31,6 +31,8 @@ def read_medusa_config(path: str) -> MedusaConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"medusa heads at {path!r}: no readable config.json ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"medusa heads at {path!r}: config.json is not a JSON object")
     num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
     num_layers = raw.get("num_hidden_layers", raw.get("medusa_num_layers"))
     if not isinstance(num_heads, int) or num_heads < 1 or not isinstance(num_layers, int) or num_layers < 0:
@@ -40,7 +42,10 @@ def read_medusa_config(path: str) -> MedusaConfig:
         raise ValueError(f"medusa heads at {path!r}: a truncated vocabulary is not supported")
     hidden, vocab = raw.get("hidden_size"), raw.get("vocab_size")
     if hidden is None or vocab is None:
-        head = _load_tensors(path)[f"lm_heads.{0}.weight"]
+        head = _load_tensors(path).get("lm_heads.0.weight")
+        if head is None:
+            raise ValueError(f"medusa heads at {path!r}: no hidden_size / vocab_size in config.json and no first "
+                             "LM head to read them from")
         vocab, hidden = head.shape
     return MedusaConfig(num_heads, num_layers, int(hidden), int(vocab))
 
@@ -66,12 +71,15 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
             break
     else:
         raise ValueError(f"medusa heads at {path!r}: none of {', '.join(_FILES)} found")
-    if file.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    try:
+        if file.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        tensors = load_file(file)
-    else:
-        tensors = torch.load(file, map_location="cpu", weights_only=True)
+            tensors = load_file(file)
+        else:
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged or foreign file: say which, not the reader's internals
+        raise ValueError(f"medusa heads: {file!r} cannot be read ({type(e).__name__}: {e})") from None
     out = {}
     for key, value in tensors.items():
         key = key.removeprefix("medusa_head.")

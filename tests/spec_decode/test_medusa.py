@@ -133,6 +133,12 @@ def test_bad_heads_are_clear_errors(tiny_llama, tmp_path):
         _engine(tiny_llama, {"method": "medusa", "model": small, "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="needs 'model'"):
         _engine(tiny_llama, {"method": "medusa", "num_speculative_tokens": 1})
+    broken = _write_heads(str(tmp_path / "broken"), [(torch.zeros(4, 4), torch.zeros(4))], [torch.zeros(9, 4)],
+                          "fasterdecoding")
+    with open(os.path.join(broken, "medusa_lm_head.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot be read"):
+        _engine(tiny_llama, {"method": "medusa", "model": broken, "num_speculative_tokens": 1})
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ValueError, match="no config.json"):
         _engine(tiny_llama, {"method": "medusa", "model": str(tmp_path / "empty"), "num_speculative_tokens": 1})
