@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.engine.dp_balancer import DPLoadBalancer, merge_stats
+from pagedllm.spec_decode.metrics import SpecDecodingStats, accepted_per_pos
 
 
 def test_least_loaded_core_and_samples_together():
@@ -30,3 +31,15 @@ def test_stats_add_up_and_ratios_are_recomputed():
     assert (total["num_running"], total["num_waiting"], total["num_preemptions"]) == (3, 1, 1)
     assert total["kv_cache_usage"] == pytest.approx(0.2) and total["prefix_cache_hit_rate"] == pytest.approx(0.125)
     assert merge_stats([a]) == a
+
+
+def test_speculative_counts_add_up_per_draft_position():
+    a, b = SpecDecodingStats(), SpecDecodingStats()
+    a.observe(3, 2)
+    a.observe(3, 0)
+    b.observe(2, 1)
+    b.observe(0, 0)  # no draft: not a verification step
+    assert (a.accepted_per_pos, b.accepted_per_pos) == ([1, 1], [1])
+    total = merge_stats([a.as_dict(), b.as_dict()])
+    assert accepted_per_pos(total) == [2, 1] and total["spec_decode_num_accepted_tokens"] == 3
+    assert total["spec_decode_num_drafts"] == 3 and total["spec_decode_mean_acceptance_length"] == pytest.approx(2)

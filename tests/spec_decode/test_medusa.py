@@ -107,6 +107,9 @@ def test_right_drafts_are_all_accepted(tiny_llama, tmp_path):
     m = llm.get_metrics()
     assert m["pagedllm:spec_decode_acceptance_rate"] > 0.95
     assert m["pagedllm:spec_decode_mean_acceptance_length"] > K
+    per_pos = [m[f"pagedllm:spec_decode_accepted_at:{pos}"] for pos in range(K)]  # vLLM's ..._per_pos
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] > 0.95 * m["pagedllm:spec_decode_num_drafts"]
+    assert sum(per_pos) == m["pagedllm:spec_decode_num_accepted_tokens"]
 
 
 def test_both_layouts_load_the_same_heads(tmp_path):

@@ -8,11 +8,12 @@ import json
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, read_metrics, serve_tiny
+from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, read_metrics, serve_tiny
 from tests.spec_decode.test_medusa import _identity_heads
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
@@ -43,6 +44,9 @@ def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
     assert m["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert m["pagedllm:spec_decode_num_accepted_tokens_total"] > 0
     assert 0 < m["pagedllm:spec_decode_acceptance_rate"] <= 1
+    first = [line for line in httpx.get(f"{spec_server}/metrics", headers=AUTH).text.splitlines()
+             if line.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos_total{") and 'position="0"' in line]
+    assert len(first) == 1 and float(first[0].rsplit(" ", 1)[1]) > 0
 
 
 def test_bad_speculative_config_is_refused_at_start(tiny_llama):

@@ -24,6 +24,7 @@ from pagedllm.engine.step_stats import histogram_of
 from pagedllm.entrypoints.openai.metrics_compat import check_compat, with_compat_names
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.spec_decode.metrics import ACCEPTED_AT, accepted_per_pos
 
 if TYPE_CHECKING:
     from pagedllm.config import CacheConfig
@@ -90,6 +91,9 @@ class ServerMetrics:
         self.spec_drafts = counter("pagedllm:spec_decode_num_drafts", "Verification steps that had draft tokens.")
         self.spec_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their position in the draft (0: first).",
+                                             ["model_name", "engine", "position"], registry=r)
         self.spec_acceptance_rate = gauge("pagedllm:spec_decode_acceptance_rate",
                                           "Accepted over proposed draft tokens, since start.")
         self.spec_acceptance_length = gauge("pagedllm:spec_decode_mean_acceptance_length",
@@ -202,14 +206,16 @@ class ServerMetrics:
                                      ("spec_decode_acceptance_rate", self.spec_acceptance_rate, 0.0),
                                      ("spec_decode_mean_acceptance_length", self.spec_acceptance_length, 0.0)):
             metric.labels(*labels).set(stats.get(key, default))
-        for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                            ("num_preemptions", self.preemptions),
-                            ("spec_decode_num_drafts", self.spec_drafts),
-                            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
-                            ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+        counters = [(key, metric.labels(*labels)) for key, metric in (
+            ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+            ("num_preemptions", self.preemptions), ("spec_decode_num_drafts", self.spec_drafts),
+            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", self.spec_accepted))]
+        counters += [(f"{ACCEPTED_AT}{pos}", self.spec_accepted_per_pos.labels(*labels, str(pos)))
+                     for pos in range(len(accepted_per_pos(stats)))]
+        for key, child in counters:
             value = float(stats.get(key, 0))
             delta = value - self._last_engine.get((engine, key), 0.0)
-            child = metric.labels(*labels)
             if delta > 0:  # a reset (engine restart, cache reset) must not go negative
                 child.inc(delta)
             self._last_engine[engine, key] = value

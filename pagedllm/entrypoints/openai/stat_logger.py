@@ -14,6 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from pagedllm.spec_decode.metrics import ACCEPTED_AT, accepted_per_pos
+
 if TYPE_CHECKING:
     from pagedllm.engine.protocol import EngineClient
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -51,10 +53,13 @@ class StatLogger:
         elapsed = max(now - self._time, 1e-9)
         prompt = self.metrics.total_prompt_tokens - self._tokens[0]
         generation = self.metrics.total_generation_tokens - self._tokens[1]
-        delta = {k: float(stats.get(k, 0)) - self._counters.get(k, float(stats.get(k, 0))) for k in _COUNTERS}
+        # A draft position first seen in this interval counted from 0.
+        keys = [*_COUNTERS, *(f"{ACCEPTED_AT}{pos}" for pos in range(len(accepted_per_pos(stats))))]
+        delta = {k: float(stats.get(k, 0)) - self._counters.get(k, 0.0 if k.startswith(ACCEPTED_AT)
+                                                                 else float(stats.get(k, 0))) for k in keys}
         first = not self._counters
         self._time, self._tokens = now, (self.metrics.total_prompt_tokens, self.metrics.total_generation_tokens)
-        self._counters = {k: float(stats.get(k, 0)) for k in _COUNTERS}
+        self._counters = {k: float(stats.get(k, 0)) for k in keys}
         if first:
             return
         busy = bool(prompt or generation or stats.get("num_running") or stats.get("num_waiting"))
@@ -75,4 +80,7 @@ class StatLogger:
             line += (f", Spec decode acceptance: {100 * accepted / proposed if proposed else 0:.1f}% "
                      f"({int(accepted)}/{int(proposed)} draft tokens), mean acceptance length "
                      f"{1 + accepted / drafts if drafts else 0:.2f}")
+            per_pos = accepted_per_pos({k: v for k, v in delta.items() if k.startswith(ACCEPTED_AT)})
+            if drafts and per_pos:
+                line += ", per-position acceptance rate: " + ", ".join(f"{n / drafts:.2f}" for n in per_pos)
         logger.log(level, "%s", line)

@@ -54,9 +54,18 @@ def test_stats_line_with_speculative_decoding(capsys):
     stat = StatLogger(engine, metrics, 10.0)
     _log(stat, capsys)
     metrics.count_generation_tokens(8)
-    engine.stats.update(spec_decode_num_drafts=2, spec_decode_num_draft_tokens=6, spec_decode_num_accepted_tokens=3)
+    engine.stats.update({"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 6,
+                         "spec_decode_num_accepted_tokens": 3, "spec_decode_accepted_at:0": 2,
+                         "spec_decode_accepted_at:1": 1})
     line = _log(stat, capsys)
     assert "Spec decode acceptance: 50.0% (3/6 draft tokens), mean acceptance length 2.50" in line, line
+    assert line.rstrip().endswith("per-position acceptance rate: 1.00, 0.50"), line
+    # The next interval: its own rates, and a position first seen in it counted from zero.
+    metrics.count_generation_tokens(8)
+    engine.stats.update({"spec_decode_num_drafts": 6, "spec_decode_num_draft_tokens": 18,
+                         "spec_decode_num_accepted_tokens": 7, "spec_decode_accepted_at:0": 4,
+                         "spec_decode_accepted_at:1": 2, "spec_decode_accepted_at:2": 1})
+    assert _log(stat, capsys).rstrip().endswith("per-position acceptance rate: 0.50, 0.25, 0.25")
 
 
 def test_request_log_line_is_cut_to_max_log_len(capsys):
