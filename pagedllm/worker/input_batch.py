@@ -115,9 +115,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, np.int64)  # known tokens (drafts not counted)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks), np.int64)
-        self.num_blocks = np.zeros(max_num_reqs, np.int64)
         # Sampling parameters, per row, written once when the request arrives.
         self.temperature = np.ones(max_num_reqs, np.float32)
         self.greedy = np.zeros(max_num_reqs, bool)
@@ -176,7 +174,6 @@ class InputBatch:
         if end > self.token_ids.shape[1]:
             self.token_ids = _widen(self.token_ids, end)
         self.token_ids[rows, cols] = values
-        self.num_tokens[rows] = np.asarray(cols) + 1  # a row's last write is its last token
 
     def prepare_inputs(self, rows: Sequence[StepRow], block_size: int, device: torch.device) -> StepInputs:
         """The step's flat inputs, gathered from the rows' arrays."""
@@ -199,17 +196,15 @@ class InputBatch:
         self.requests[new.req_id] = state
         row = state.row
         self._write_tokens(row, 0, new.prompt_token_ids)
-        self.num_tokens[row] = len(new.prompt_token_ids)
         if new.output_token_ids:  # resumed after preemption
             self.append_tokens([(state, new.output_token_ids)])
-        self.num_blocks[row] = 0
         self._write_blocks(state, new.block_ids)
         self._write_params(row, new.sampling_params)
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:  # a gathered table pads a shorter row with zeros, never a former request's ids
-            self.block_table[state.row, : self.num_blocks[state.row]] = 0
+            self.block_table[state.row, : len(state.block_ids)] = 0
             self._free_rows.append(state.row)
 
     def _write_tokens(self, row: int, start: int, tokens: Sequence[int]) -> None:
@@ -219,12 +214,11 @@ class InputBatch:
         self.token_ids[row, start:end] = tokens
 
     def _write_blocks(self, state: CachedRequestState, blocks: Sequence[int]) -> None:
+        n = len(state.block_ids)
         state.block_ids.extend(blocks)
-        row, n = state.row, int(self.num_blocks[state.row])
         if n + len(blocks) > self.block_table.shape[1]:
             self.block_table = _widen(self.block_table, n + len(blocks))
-        self.block_table[row, n : n + len(blocks)] = blocks
-        self.num_blocks[row] = n + len(blocks)
+        self.block_table[state.row, n : n + len(blocks)] = blocks
 
     def _write_params(self, row: int, p: SamplingParams | None) -> None:
         if p is None:  # a pooling request: never sampled
@@ -241,8 +235,8 @@ class InputBatch:
                                    or p.bad_words_token_ids)
 
     def _grow_rows(self) -> None:
-        old = len(self.num_tokens)
-        for name in ("token_ids", "num_tokens", "block_table", "num_blocks", "temperature", "greedy", "top_k",
+        old = len(self.greedy)
+        for name in ("token_ids", "block_table", "temperature", "greedy", "top_k",
                      "top_p", "min_p", "num_logprobs", "seeded", "reads_history", "has_masks"):
             a = getattr(self, name)
             grown = np.zeros((2 * old,) + a.shape[1:], a.dtype)

@@ -45,8 +45,8 @@ def test_finished_and_preempted_requests_are_dropped_and_resumed_whole():
 
 
 def _tokens(batch: InputBatch, req_id: str) -> list[int]:
-    row = batch.requests[req_id].row
-    return batch.token_ids[row, : batch.num_tokens[row]].tolist()
+    state = batch.requests[req_id]
+    return batch.token_ids[state.row, : state.num_tokens].tolist()
 
 
 def test_rows_hold_tokens_blocks_and_parameters_and_are_reused():
@@ -59,7 +59,7 @@ def test_rows_hold_tokens_blocks_and_parameters_and_are_reused():
         num_scheduled_tokens={"a": 5, "b": 3}))
     a, b = batch.requests["a"].row, batch.requests["b"].row
     assert _tokens(batch, "a") == [1, 2, 3, 4, 5] and _tokens(batch, "b") == [6, 10, 11]
-    assert batch.block_table[a, : batch.num_blocks[a]].tolist() == [7, 8]
+    assert batch.block_table[a, : len(batch.requests["a"].block_ids)].tolist() == [7, 8]
     assert (batch.greedy[a], batch.temperature[a], batch.num_logprobs[a]) == (True, 1.0, -1)
     assert not (batch.seeded[a] or batch.reads_history[a] or batch.has_masks[a])
     assert batch.greedy[b] == False and batch.top_k[b] == 5 and batch.num_logprobs[b] == 3  # noqa: E712
