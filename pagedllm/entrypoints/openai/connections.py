@@ -82,6 +82,28 @@ def install_accept_error_throttle(loop: asyncio.AbstractEventLoop) -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+    _one_accept_retry_per_socket(loop)
+
+
+def _one_accept_retry_per_socket(loop: asyncio.AbstractEventLoop) -> None:
+    """CPython's selector loop, when accept() fails for want of descriptors, schedules a retry
+    (`_start_serving`, a second later) for each of the `backlog` accepts it tries in that tick:
+    2048 under uvicorn. Each retry re-arms the listening socket, so the retries multiply every
+    second, and once the socket is closed each fails with a traceback, holding shutdown up for
+    seconds. One armed socket is enough: a retry for a socket that is closed or already armed
+    is dropped. Loops without the method (uvloop) are left as they are."""
+    start = getattr(loop, "_start_serving", None)
+    selector = getattr(loop, "_selector", None)
+    if start is None or selector is None:
+        return
+
+    def start_serving(protocol_factory: Any, sock: Any, *args: Any, **kwargs: Any) -> None:
+        fd = sock.fileno()
+        if fd == -1 or fd in selector.get_map():
+            return
+        start(protocol_factory, sock, *args, **kwargs)
+
+    loop._start_serving = start_serving  # type: ignore[attr-defined]
 
 
 def guarded_protocol(max_connections: int, header_timeout: float) -> type[H11Protocol]:
