@@ -353,8 +353,12 @@ def cpu_has_native_bf16() -> bool:
     return cpu_isa.has_native_bf16()
 
 
-# int8 / int4: the engine's own weight-only copies, made at load; gguf: a GGUF file's own blocks.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# int8 / int4: the engine's own weight-only copies, made at load; gguf: a GGUF file's own blocks;
+# gptq / awq / compressed-tensors: a pre-quantized checkpoint's weights, repacked into blocks as
+# they load (transformers_utils/quantized_checkpoint.py). The last four run on the GGUF kernels.
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", *CHECKPOINT_QUANTIZATION)
+BLOCK_QUANTIZATION = ("gguf", *CHECKPOINT_QUANTIZATION)
 QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
 # What a GGUF checkpoint with quantized tensors runs as on CPU when --quantization is not given.
 GGUF_CPU_QUANTIZATION = "gguf"
@@ -364,22 +368,36 @@ def check_quantization(method: str | None, device: torch.device) -> None:
     if method is None or method == "none":
         return
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf'; got {method!r}")
+        raise ValueError(f"quantization must be None, 'none' or one of {', '.join(QUANTIZATION_METHODS)}; "
+                         f"got {method!r}")
     if device.type != "cpu":
         # The kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
         raise ValueError(f"quantization={method!r} runs on CPU only, not on device {str(device)!r}")
 
 
 def resolve_quantization(
-    method: str | None, model_path: str, device: torch.device, dtype: str | torch.dtype
+    method: str | None, model_path: str, device: torch.device, dtype: str | torch.dtype, hf_config: Any = None
 ) -> str | None:
     """The method a model runs with: as given; "none" for none; and when not given, a GGUF
     checkpoint with quantized tensors runs quantized on CPU (as vLLM runs GGUF files with its
     GGUF kernels) instead of dequantized, unless float32 was asked for by name (full
     precision, the mode the exactness tests compare in). `dtype` is the one asked for: "auto"
-    picking float32 on a CPU without native bf16 still runs quantized."""
+    picking float32 on a CPU without native bf16 still runs quantized. A pre-quantized
+    checkpoint (GPTQ, AWQ, compressed-tensors) runs as what its config says, whatever the
+    dtype; asking for another method is an error."""
     from pagedllm.transformers_utils.gguf_loader import gguf_is_quantized
+    from pagedllm.transformers_utils.quantized_checkpoint import read_quant_format
 
+    fmt = read_quant_format(hf_config) if hf_config is not None else None
+    if fmt is not None:
+        if method not in (None, fmt.method):
+            raise ValueError(f"{model_path} is a {fmt.method} checkpoint: it runs as quantization={fmt.method!r}, "
+                             f"not {method!r}")
+        check_quantization(fmt.method, device)
+        return fmt.method
+    if method in CHECKPOINT_QUANTIZATION:
+        raise ValueError(f"quantization={method!r} needs a {method} checkpoint; {model_path} has no "
+                         "quantization_config of that method")
     if method == "none":
         return None
     if method == "gguf" and not os.path.isfile(os.path.join(model_path, "gguf_source.json")):
@@ -426,7 +444,7 @@ def build_model_config(
         seed=seed,
         tokenizer=tokenizer or model_path,
         trust_remote_code=trust_remote_code,
-        quantization=resolve_quantization(quantization, model_path, device, dtype),
+        quantization=resolve_quantization(quantization, model_path, device, dtype, hf_config),
     )
 
 

@@ -129,6 +129,8 @@ class DecodePlan:
         if getattr(linear, "tp_size", 1) != 1 or linear.lora is not None:
             raise Unsupported("tensor parallel or LoRA")
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).contiguous()
+        if linear.gguf is not None and linear.gguf.input_perm is not None:
+            raise Unsupported("an act-order weight (its inputs gathered into group order)")
         if linear.gguf is not None:  # one call per segment, each into its columns of `out`
             for seg in linear.gguf.segments:
                 if not seg.quantized:

@@ -55,11 +55,21 @@ class GGUFLinear(nn.Module):
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.segments: list[GGUFSegment] = []
         self._gaps: list[tuple[int, int]] | None = None  # uncovered(), once the segments are in
+        # The input order of the blocks' columns where it is not the layer's (a GPTQ act-order
+        # checkpoint sorts inputs by group): every segment's, as they share one input.
+        self.input_perm: torch.Tensor | None = None
 
     def add(self, offset: int, tensor, columns: tuple[int, int] | None = None) -> None:
         """Rows of a `GGUFTensor` (all of its rows) as output rows [offset, offset + its rows);
         `columns` (start, length): only those inputs, at block boundaries (a row-parallel rank)."""
         start, length = columns or (0, tensor.shape[1])
+        perm = getattr(tensor, "input_perm", None)
+        if perm is not None and columns is not None:
+            raise ValueError(f"{tensor.name}: an act-order (g_idx) weight cannot be split over tensor-parallel "
+                             "ranks by its inputs")
+        if self.segments and not _same_order(perm, self.input_perm):
+            raise ValueError(f"{tensor.name}: its input order (g_idx) differs from the other weights of its layer")
+        self.input_perm = perm
         if length != self.in_features or not 0 <= offset <= offset + tensor.shape[0] <= self.out_features:
             raise ValueError(f"{tensor.name}: rows {tuple(tensor.shape)} at {offset} do not fit a "
                              f"[{self.out_features}, {self.in_features}] weight")
@@ -91,6 +101,8 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm.to(x2.device))
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = x2.new_empty((x2.shape[0], self.out_features))
@@ -116,11 +128,17 @@ class GGUFLinear(nn.Module):
         if not seg.quantized:
             return F.embedding(ids, seg.weight)
         rows = gguf_ops.gguf_dequantize(seg.qtype, seg.weight, self.in_features, rows=flat, dtype=self.dtype)
+        if self.input_perm is not None:  # the columns back in input order
+            rows = torch.empty_like(rows).index_copy_(1, self.input_perm.to(rows.device), rows)
         return rows.view(*ids.shape, self.in_features)
 
     def extra_repr(self) -> str:
         kinds = sorted({gguf.GGMLQuantizationType(s.qtype).name for s in self.segments})
         return f"in={self.in_features}, out={self.out_features}, types={','.join(kinds)}"
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 # Candidates re-scored from the blocks when the 4-bit copy ranked a row (as `QuantizedLMHead`'s

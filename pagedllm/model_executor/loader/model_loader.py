@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig, check_quantization
+from pagedllm.config import BLOCK_QUANTIZATION, CHECKPOINT_QUANTIZATION, ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
+from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized, read_quant_format
 from pagedllm.transformers_utils.weight_utils import iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,15 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedllm.model_executor.loader.quantize import restore_quantized
 
         restored = restore_quantized(model, model_config.quantization, cache)
-    native = model_config.quantization == "gguf"
+    native = model_config.quantization in BLOCK_QUANTIZATION
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(iterate_weights(model_config.model_path, model_config.load_format,
-                                           model_config.hf_config, gguf_native=native))
+        weights = iterate_weights(model_config.model_path, model_config.load_format, model_config.hf_config,
+                                  gguf_native=native)
+        if model_config.quantization in CHECKPOINT_QUANTIZATION:
+            weights = iterate_quantized(weights, read_quant_format(model_config.hf_config))
+        model.load_weights(weights)
     for param in model.parameters():
         param.__dict__.pop("preloaded", None)
     if native:
