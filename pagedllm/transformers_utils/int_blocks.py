@@ -11,8 +11,9 @@ float16 scale d and integer v (quant minus zero point), and those are what the b
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as _T
 
-Q4_0, Q5_0, Q8_0 = 2, 6, 8  # ggml type ids
+Q4_0, Q5_0, Q8_0 = int(_T.Q4_0), int(_T.Q5_0), int(_T.Q8_0)
 BLOCK = 32
 _RANGES = ((Q4_0, -8, 7), (Q5_0, -16, 15), (Q8_0, -128, 127))
 

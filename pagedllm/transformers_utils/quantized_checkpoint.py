@@ -121,9 +121,9 @@ class BlockTensor(CheckpointTensor):
     def load(self) -> torch.Tensor:
         import gguf
 
-        k = self.shape[1]
-        w = np.asarray(gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.qtype)),
-                       dtype=np.float32).reshape(-1, k)
+        from pagedllm.transformers_utils.gguf_weights import dequantize_rows
+
+        w = dequantize_rows(self.blocks.numpy(), gguf.GGMLQuantizationType(self.qtype).name, self.shape[1])
         if self.input_perm is None:
             return torch.from_numpy(w)
         out = torch.empty(w.shape)
