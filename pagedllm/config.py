@@ -47,6 +47,18 @@ class ModelConfig:
     classify: bool = False  # a pooling classifier returns its head's probabilities, not the pooled state
     load_format: str = "auto"  # auto, safetensors, pt, gguf (converted by then) or dummy (random weights)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    # A vision-language model: most items per prompt by modality, and the front end's cache of
+    # processed images (bytes; mirrored in the engine core).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_processor_cache_bytes: int = 4 << 30
+    # Which image URLs chat messages may name (entrypoints/media.py has the rules).
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        """A checkpoint with a vision tower (its config has a vision_config)."""
+        return getattr(self.hf_config, "vision_config", None) is not None
 
     @property
     def architecture(self) -> str:
@@ -140,6 +152,31 @@ class SchedulerConfig:
     # Schedule step N + 1 while step N runs: each running request's token from step N is a
     # placeholder that the workers fill in from their own sample (vLLM's async scheduling)
     async_scheduling: bool = False
+    # A vision-language model: image embeddings the encoder makes per step at most, and how many
+    # the encoder cache holds (0: a text model; the engine sets both from the token budget).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt '{"image": 2}' (vLLM's): most items of each modality in one prompt."""
+    if value is None or value == "":
+        return {"image": 1}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError('limit_mm_per_prompt must be a dict such as {"image": 2}')
+    out = {}
+    for k, v in value.items():
+        if k != "image":
+            raise ValueError(f"limit_mm_per_prompt: modality {k!r} is not supported; only 'image' is")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an integer >= 0, got {v!r}")
+        out[k] = v
+    return {"image": 1, **out}
 
 
 @dataclass(slots=True)

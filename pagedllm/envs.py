@@ -75,6 +75,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the same meaning).
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING":
         lambda: os.environ.get("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+    # Seconds one image URL may take to fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); default 5.
+    "PAGEDLLM_MEDIA_FETCH_TIMEOUT": _optional("PAGEDLLM_MEDIA_FETCH_TIMEOUT"),
 }
 
 OTHER_VARIABLES: dict[str, Callable[[], Any]] = {

@@ -36,6 +36,30 @@ class EngineCoreOutputType(bytes, enum.Enum):
     UTILITY_RESULT = b"UTILITY_RESULT"  # (call id, ok, result or error)
 
 
+class TensorData(msgspec.Struct, array_like=True, gc=False):
+    """An array as plain data (dtype name, shape, raw bytes): a processed image's pixels cross the
+    process boundaries (front → core → workers) as this, never pickled."""
+
+    dtype: str  # numpy's name for it: "float32", "int64", ...
+    shape: list[int]
+    data: bytes
+
+
+class MultiModalFeature(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One image of a prompt, processed: where its placeholder tokens are, and its encoder's inputs.
+
+    `identifier` is the hash of the image's content (and processor settings): it keys the encoder
+    cache, the processed-input cache shared by the front end and the core, and the prefix-cache
+    hashes of the blocks its placeholders fall in. `data` is None when the front end knows the core
+    holds this identifier's inputs already (a repeated image is sent once)."""
+
+    modality: str  # "image"
+    identifier: str
+    offset: int  # its first placeholder token in the prompt
+    length: int  # placeholder tokens: one per embedding the encoder makes
+    data: dict[str, TensorData] | None = None
+
+
 @dataclass(slots=True)
 class EngineCoreRequest:
     """What the front end hands to the engine core: already tokenized and validated."""
@@ -53,6 +77,8 @@ class EngineCoreRequest:
     # A text pair for a cross-encoder: which tokens belong to the second text (BERT's segments).
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # Images of a multimodal prompt, in prompt order (their placeholders do not overlap).
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

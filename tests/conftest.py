@@ -38,6 +38,14 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> str:
+    """A random-weight LLaVA-1.5 with its processor (16 placeholder tokens per image)."""
+    from tests.utils import make_tiny_llava
+
+    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_think(tmp_path_factory) -> str:
     """A reasoning model's vocabulary: <think> and </think> are single tokens."""
     return make_tiny_model(str(tmp_path_factory.mktemp("qwen3_think")), "qwen3", added_tokens=("<think>", "</think>"))

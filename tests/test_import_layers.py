@@ -8,6 +8,8 @@ The order, bottom to top, and why:
 - `transformers_utils`: model files (the default model, name/path resolution, GGUF conversion,
   tokenizer, safetensors reading); config and model code both need them, so they sit beneath both.
 - `config`: describes and validates what the engine runs (including speculative decoding).
+- `multimodal`: images into prompts (loading, hashing, the checkpoint's processor, the processed-image
+  caches shared by the front end and the engine core); the front end, the core and the worker use it.
 - `distributed`: the ranks' process groups and collectives (torch.distributed), which the
   tensor-parallel layers call.
 - `forward_context`: the per-step attention metadata the model's layers read.
@@ -52,6 +54,7 @@ LAYERS = [
     "protocol",
     "transformers_utils",
     "config",
+    "multimodal",
     "distributed",
     "forward_context",
     "model_executor",

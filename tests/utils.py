@@ -290,3 +290,76 @@ all_slow = pytest.mark.skipif(
     os.environ.get("PAGEDLLM_TEST_ALL_SLOW") != "1",
     reason="an extra real-model test: PAGEDLLM_TEST_ALL_SLOW=1 runs it",
 )
+
+
+# A chat template that shows image parts where they are (LLaVA's own templates do).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_tiny_llava(path: str, seed: int = 0, image_size: int = 28, patch_size: int = 7) -> str:
+    """A random-weight LLaVA-1.5 (CLIP tower, projector, Llama) with its processor (CLIP image
+    processor, `<image>` token, a chat template), saved as transformers saves one."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    tok.save_pretrained(path)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, projection_dim=32)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                      projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      image_seq_length=(image_size // patch_size) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    images = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=1,
+                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, width: int = 50, height: int = 40):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8))
+
+
+def data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def hf_llava_greedy(model_dir: str, text: str, images: list, max_tokens: int) -> list[int]:
+    """transformers' greedy generate on a LLaVA checkpoint, through its own processor."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

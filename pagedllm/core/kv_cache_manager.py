@@ -76,7 +76,8 @@ class KVCacheManager:
         # A salt or an adapter keys the blocks apart: the same prompt under two adapters has other K/V.
         lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
         extra = (request.cache_salt, lora_id) if request.cache_salt or lora_id else None
-        compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, extra)
+        compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, extra,
+                             request.mm_spans)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks matching the request's prefix.

@@ -33,11 +33,19 @@ def compute_block_hashes(
     block_size: int,
     existing: list[BlockHash],
     extra_keys: tuple | None = None,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> None:
     """Extend `existing` in place with hashes of every newly full block of `token_ids`.
-    Extra keys (e.g. the cache salt) enter the first block only; the chain carries them on."""
+    Extra keys (e.g. the cache salt) enter the first block only; the chain carries them on.
+    `mm_spans` (offset, length, content hash) are a prompt's images: a block holding an image's
+    placeholder tokens also hashes that image's identity, since its K/V depend on the picture
+    and not on the placeholder token ids."""
     num_full = len(token_ids) // block_size
     for i in range(len(existing), num_full):
         parent = existing[-1] if existing else None
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        existing.append(hash_block_tokens(parent, block, extra_keys if i == 0 else None))
+        start, end = i * block_size, (i + 1) * block_size
+        keys = extra_keys if i == 0 else None
+        images = tuple(ident for offset, length, ident in mm_spans if offset < end and offset + length > start)
+        if images:
+            keys = (keys or ()) + images
+        existing.append(hash_block_tokens(parent, token_ids[start:end], keys))

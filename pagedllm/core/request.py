@@ -10,7 +10,7 @@ from typing import Any
 from pagedllm.core.kv_cache_utils import BlockHash
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.protocol import EngineCoreRequest
+from pagedllm.protocol import EngineCoreRequest, MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -79,9 +79,17 @@ class Request:
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
+    # A multimodal prompt's images, in prompt order; their encoder outputs are scheduled with the
+    # first step that reaches their placeholders (Scheduler._schedule_encoder_inputs).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def mm_spans(self) -> list[tuple[int, int, str]]:
+        """(offset, length, identifier) of each image: what the prefix-cache hashes key on."""
+        return [(f.offset, f.length, f.identifier) for f in self.mm_features]
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -97,6 +105,7 @@ class Request:
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
             lora_request=req.lora_request,
+            mm_features=list(req.mm_features or ()),
         )
 
     @property

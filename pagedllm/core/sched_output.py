@@ -9,6 +9,7 @@ import msgspec
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.protocol import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] = []  # its images (arrays included), in prompt order
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -57,6 +59,10 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True, gc=False):
     # (src, dst) block ids whose K/V the runner copies before the forward pass: the partial
     # last prompt block a sample of an n > 1 request forks from its sibling (copy-on-write).
     block_copies: list[tuple[int, int]] = []
+    # req_id → indices of its images (mm_features) the workers encode this step, before the
+    # forward pass; identifiers of encoder outputs they drop first (evicted from the encoder cache).
+    scheduled_encoder_inputs: dict[str, list[int]] = {}
+    free_encoder_mm_hashes: list[str] = []
 
     @property
     def is_empty(self) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.core.encoder_cache_manager import EncoderCacheManager
 from pagedllm.core.interface import SchedulerInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -35,7 +36,9 @@ class _StepPlan:
     """What one `schedule()` has handed out so far."""
 
     budget: int  # tokens left
+    encoder_budget: int = 0  # image embeddings the encoder may still make this step
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req_id → its images encoded this step
     preempted: set[str] = field(default_factory=set)
     blocked: bool = False  # a request to preempt has a step in flight: wait for it
 
@@ -80,6 +83,7 @@ class Scheduler(SchedulerInterface):
         # The workers append their own samples, and the next step is scheduled before this one's
         # tokens come back (see `Request.num_output_placeholders`).
         self.async_scheduling = scheduler_config.async_scheduling
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,6 +134,7 @@ class Scheduler(SchedulerInterface):
             request.structured_output.cancel()  # a compile still running for a request gone is dropped
         request.structured_output = None
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -140,6 +145,7 @@ class Scheduler(SchedulerInterface):
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.prompt_logprobs = None  # the recompute produces them again
@@ -178,11 +184,49 @@ class Scheduler(SchedulerInterface):
         # or forgotten), so it joins now.
         for req_id in [r for r in self.deferred if r not in self.num_steps_in_flight]:
             self.add_request(self.deferred.pop(req_id))
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_encoder_input_tokens)
         self._schedule_running(step)
         if not step.preempted and not step.blocked:
             self._schedule_waiting(step)
-        return self._build_output(step.num_scheduled, step.preempted)
+        return self._build_output(step.num_scheduled, step.preempted, step.encoder_inputs)
+
+    def _schedule_encoder_inputs(self, request: Request, num_computed: int, num_new: int,
+                                 step: _StepPlan) -> tuple[list[int], int]:
+        """The images whose placeholders these `num_new` tokens reach and the workers do not hold,
+        to encode this step; where one does not fit the encoder budget or cache, the step stops
+        before its placeholders (possibly at 0 tokens: the request waits)."""
+        to_encode: list[int] = []
+        idents: set[str] = set()
+        pending = 0
+        cache = self.encoder_cache_manager
+        for i, f in enumerate(request.mm_features):
+            if f.offset >= num_computed + num_new:
+                break  # this image and the ones after it are for later steps
+            if f.offset + f.length <= num_computed:
+                continue  # its placeholders are in the KV cache already
+            if f.identifier in idents or cache.check_and_update_cache(request, i):
+                continue
+            if not cache.can_allocate(request, i, step.encoder_budget - pending, pending):
+                num_new = f.offset - num_computed  # up to the image; it is encoded in a later step
+                break
+            to_encode.append(i)
+            idents.add(f.identifier)
+            pending += f.length
+        return to_encode, max(0, num_new)
+
+    def _take_encoder_inputs(self, request: Request, to_encode: list[int], step: _StepPlan) -> None:
+        """The request is scheduled: its images to encode take their room and budget."""
+        if not to_encode:
+            return
+        for i in to_encode:
+            self.encoder_cache_manager.allocate(request, i)
+            step.encoder_budget -= request.mm_features[i].length
+        step.encoder_inputs[request.request_id] = to_encode
+
+    def _drop_encoder_inputs(self, request: Request, step: _StepPlan) -> None:
+        """A request preempted after it was scheduled this step gives back its encoder budget."""
+        for i in step.encoder_inputs.pop(request.request_id, ()):
+            step.encoder_budget += request.mm_features[i].length
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Each running request's next tokens (a decode, the rest of a chunked prompt, drafts to
@@ -195,6 +239,9 @@ class Scheduler(SchedulerInterface):
             # Draft tokens are scheduled like any other: verified in this forward pass.
             num_new = self._chunk(self._num_known_and_pending(request) - request.num_computed_tokens, step.budget,
                                   prefill=request.num_computed_tokens < request.num_prompt_tokens)
+            to_encode: list[int] = []
+            if request.mm_features and num_new > 0:
+                to_encode, num_new = self._schedule_encoder_inputs(request, request.num_computed_tokens, num_new, step)
             if num_new <= 0:
                 i += 1
                 continue
@@ -210,6 +257,7 @@ class Scheduler(SchedulerInterface):
                     break
                 if victim.request_id in step.num_scheduled:
                     step.budget += step.num_scheduled.pop(victim.request_id)
+                    self._drop_encoder_inputs(victim, step)
                     i -= 1
                 self._preempt(victim)
                 step.preempted.add(victim.request_id)
@@ -221,6 +269,7 @@ class Scheduler(SchedulerInterface):
                 continue  # `i` already points at the next request
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new
+            self._take_encoder_inputs(request, to_encode, step)
             i += 1
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
@@ -253,6 +302,11 @@ class Scheduler(SchedulerInterface):
             if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = self._chunk(num_new, step.budget)
+            to_encode: list[int] = []
+            if request.mm_features:
+                to_encode, num_new = self._schedule_encoder_inputs(request, num_computed, num_new, step)
+                if num_new == 0:
+                    break  # its next image waits for encoder budget or cache room; the queue keeps its order
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
                 break
@@ -266,6 +320,7 @@ class Scheduler(SchedulerInterface):
             self.running.append(request)
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new
+            self._take_encoder_inputs(request, to_encode, step)
 
         for request in reversed(skipped):
             self.waiting.prepend(request)
@@ -319,13 +374,16 @@ class Scheduler(SchedulerInterface):
         self._free_request(request)
         self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort", f"grammar error: {error}"))
 
-    def _build_output(self, num_scheduled: dict[str, int], preempted: set[str]) -> SchedulerOutput:
+    def _build_output(self, num_scheduled: dict[str, int], preempted: set[str],
+                      encoder_inputs: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """The step message: requests the workers do not hold go whole, the others as diffs
         (tokens sampled since, blocks allocated since, num_computed_tokens)."""
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self.finished_req_ids)
         if not num_scheduled:
             return out  # not sent to the workers: the next step that runs tells them
         self.finished_req_ids = set()
+        out.scheduled_encoder_inputs = encoder_inputs or {}
+        out.free_encoder_mm_hashes = self.encoder_cache_manager.take_freed()
         out.block_copies = self.kv_cache_manager.take_block_copies()
         cached = out.scheduled_cached_reqs
         now = time.time()
@@ -346,7 +404,7 @@ class Scheduler(SchedulerInterface):
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id, request.prompt_token_ids, request.sampling_params, block_ids, start,
                     request.output_token_ids[:], request.pooling_params, request.token_type_ids,
-                    request.lora_request))
+                    request.lora_request, request.mm_features))
             else:
                 cached.req_ids.append(req_id)
                 cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])
@@ -365,6 +423,12 @@ class Scheduler(SchedulerInterface):
         return out
 
     # ---- after the forward pass ------------------------------------------
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Images whose placeholders are all computed: this request needs their embeddings no more."""
+        for i, f in enumerate(request.mm_features):
+            if f.offset + f.length <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, i)
+
     def forget_step(self, scheduler_output: SchedulerOutput) -> None:
         """The step is back (or its output lost): its requests no longer have it in flight."""
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -393,6 +457,8 @@ class Scheduler(SchedulerInterface):
                 self.running.remove(request)
                 self._free_request(request)
                 continue
+            if request.mm_features:
+                self._free_encoder_inputs(request)
             chunk_prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if chunk_prompt_logprobs is not None:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + chunk_prompt_logprobs

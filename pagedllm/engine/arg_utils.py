@@ -33,6 +33,7 @@ from pagedllm.config import (
     check_tensor_parallel,
     draft_model_config,
     is_classifier,
+    parse_limit_mm_per_prompt,
     parse_speculative_config,
     resolve_device,
 )
@@ -143,6 +144,16 @@ class EngineArgs:
     max_lora_rank: int = _arg(16, "largest adapter rank accepted, up to 256")
     max_cpu_loras: int | None = _arg(None, "loaded adapters kept, least recently used evicted first (default: "
                                            "--max-loras)")
+    limit_mm_per_prompt: dict | str | None = _arg(None, 'a vision-language model: most images in one prompt, as JSON '
+                                                        '(default \'{"image": 1}\')')
+    allowed_local_media_path: str | None = _arg(None, "image URLs file:// are read only under this directory (none: "
+                                                      "file:// is refused)")
+    allowed_media_domains: tuple[str, ...] | None = _arg(
+        None, "image URLs http(s):// are fetched only from these hosts, which may be private; given with no host: "
+              "never fetched; not given: any host with public addresses", nargs="*")
+    mm_processor_cache_gb: float = _arg(4.0, "a vision-language model: GiB of processed images kept by content hash "
+                                             "(in the front end, mirrored in the engine core), so a repeated image "
+                                             "is neither processed nor sent again; 0: none")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -187,6 +198,16 @@ class EngineArgs:
         )
         model_config.load_format = self.load_format
         model_config.enforce_eager = self.enforce_eager
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb}")
+        model_config.mm_processor_cache_bytes = int(self.mm_processor_cache_gb * (1 << 30))
+        if model_config.is_multimodal:
+            model_config.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+            model_config.allowed_local_media_path = self.allowed_local_media_path
+            model_config.allowed_media_domains = (None if self.allowed_media_domains is None
+                                                  else list(self.allowed_media_domains))
+        elif self.limit_mm_per_prompt:
+            raise ValueError(f"limit_mm_per_prompt: {model_config.architecture} takes no images (a text-only model)")
         if not ModelRegistry.is_supported(model_config.architecture):
             raise ValueError(f"model architecture {model_config.architecture!r} of {model!r} is not supported; "
                              f"supported: {', '.join(ModelRegistry.get_supported_archs())} (or register your own "
@@ -288,6 +309,9 @@ class EngineArgs:
                 max_n=self.max_n,
                 max_sequences_per_request=self.max_sequences_per_request,
                 async_scheduling=self.async_scheduling,
+                # An image's embeddings are made in one encoder run, all in the step that first reaches them.
+                max_num_encoder_input_tokens=max_batched if model_config.is_multimodal else 0,
+                encoder_cache_size=max_batched if model_config.is_multimodal else 0,
             ),
             device_config=DeviceConfig(device=device),
             speculative_config=speculative_config,

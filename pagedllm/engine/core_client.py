@@ -10,6 +10,7 @@ all of it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -25,6 +26,7 @@ import zmq
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_launch import CoreProcess
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.multimodal.cache import MirroredSender
 from pagedllm.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class MPClient:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder()
         self._call_ids = call_ids if call_ids is not None else itertools.count()
+        # What the core's cache of processed images holds: a repeated image's arrays are not sent again.
+        self.mm_sender = MirroredSender(int(engine_args.mm_processor_cache_gb * (1 << 30)))
         try:
             core.input.bind(core.input_addr)
             core.output.bind(core.output_addr)
@@ -108,7 +112,15 @@ class MPClient:
             core.input.send_multipart([kind, self.encoder.encode(payload)])
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+        if not request.mm_features:
+            self._send(EngineCoreRequestType.ADD, request)
+            return
+        core = self._core
+        if core.dead:
+            raise EngineDeadError()
+        with core.send_lock:  # the core receives in this order, so the two caches stay alike
+            sent = dataclasses.replace(request, mm_features=self.mm_sender.strip(request.mm_features))
+            core.input.send_multipart([EngineCoreRequestType.ADD, self.encoder.encode(sent)])
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self._core.dead:

@@ -27,6 +27,7 @@ import zmq  # noqa: E402
 
 from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402
 from pagedllm.logger import init_logging  # noqa: E402
+from pagedllm.multimodal.cache import MirroredReceiver  # noqa: E402
 from pagedllm.protocol import (  # noqa: E402
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -128,6 +129,8 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder()
         self.parent_pid = os.getppid()
         self.running = True
+        # The client's MirroredSender's counterpart: fills in the arrays of images sent before.
+        self.mm_receiver = MirroredReceiver(core.config.model_config.mm_processor_cache_bytes)
 
     def run_busy_loop(self) -> None:
         poller = zmq.Poller()
@@ -152,6 +155,8 @@ class EngineCoreProc:
         kind, payload = frames[0], frames[1] if len(frames) > 1 else b""
         if kind == EngineCoreRequestType.ADD:
             request = self.request_decoder.decode(payload)
+            if request.mm_features:  # before anything can reject it: the caches must see every image
+                request.mm_features = self.mm_receiver.fill(request.mm_features)
             try:
                 self.core.add_request(request)
             except ValueError as e:

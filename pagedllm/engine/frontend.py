@@ -37,7 +37,8 @@ class Frontend:
                     str(model_config.dtype).removeprefix("torch."), len(self.tokenizer), time.perf_counter() - start)
         if reasoning_parser is not None:  # a tokenizer without the parser's think tokens fails here, at start
             Reasoner.from_tokenizer(reasoning_parser, self.tokenizer)
-        self.processor = Processor(model_config, self.tokenizer, eos, scheduler_config.max_n)
+        self.processor = Processor(model_config, self.tokenizer, eos, scheduler_config.max_n,
+                                   scheduler_config.max_num_encoder_input_tokens or None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(

@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.protocol import EngineCoreRequest
+from pagedllm.protocol import EngineCoreRequest, MultiModalFeature
 from pagedllm.sampling_params import SamplingParams, check_text
 
 PromptType = str | list[int] | dict[str, Any]
@@ -16,13 +16,49 @@ PromptType = str | list[int] | dict[str, Any]
 
 class Processor:
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int], max_n: int | None = None
+        self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int], max_n: int | None = None,
+        max_embeds_per_image: int | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n  # None: no limit
         self.vocab_size = model_config.text_config.vocab_size
+        self.mm_processor = None  # a vision-language model's, made on its first image
+        self.max_embeds_per_image = max_embeds_per_image  # the scheduler's encoder budget
+
+    def _multimodal(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """A prompt dict with `multi_modal_data`: its images processed, placeholders expanded."""
+        mc = self.model_config
+        if not mc.is_multimodal:
+            raise ValueError(f"{mc.model} ({mc.architecture}) is a text-only model: it takes no images "
+                             "(multi_modal_data)")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"multi_modal_data must be a dict with an 'image' entry, got {kinds}")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+        if self.mm_processor is None:
+            from pagedllm.multimodal.processing import MultiModalProcessor
+
+            self.mm_processor = MultiModalProcessor(mc.model_path, self.tokenizer, mc.hf_config.model_type,
+                                                    mc.limit_mm_per_prompt, mc.mm_processor_cache_bytes,
+                                                    mc.trust_remote_code)
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:  # already tokenized (a chat prompt without a second BOS)
+            token_ids, features = self.mm_processor.process(None, list(prompt["prompt_token_ids"]), images)
+        elif isinstance(text, str) and text:
+            check_text("the prompt", text)
+            token_ids, features = self.mm_processor.process(text, None, images)
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        cap = self.max_embeds_per_image
+        for f in features:
+            if cap is not None and f.length > cap:
+                raise ValueError(f"an image of {f.length} embeddings is more than the {cap} one step computes "
+                                 "(max_num_batched_tokens)")
+        return text, token_ids, features
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -52,10 +88,16 @@ class Processor:
     ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        features = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            text, token_ids, features = self._multimodal(prompt)
+        else:
+            text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty (no tokens)")
-        if params.truncate_prompt_tokens is not None:
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens < len(token_ids):
+            if features:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         self._check_token_ids("prompt token ids", token_ids)
         max_len = self.model_config.max_model_len
@@ -73,6 +115,7 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            mm_features=features or None,
         )
         return request, text
 

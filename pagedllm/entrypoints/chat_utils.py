@@ -20,26 +20,64 @@ _TEMPLATE_DIR = Path(__file__).parent / "templates"
 _RESERVED_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt", "continue_final_message"}
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message's content as one string: templates are written for strings, and we
-    support only text, so a list of OpenAI-style parts is joined here."""
+# OpenAI's image parts (chat: image_url; Responses: input_image) and vLLM's offline image_pil.
+IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil")
+
+
+def _image_source(part: dict[str, Any], where: str) -> Any:
+    """An image part's image: a URL string, or (image_pil) the PIL image itself."""
+    kind = part["type"]
+    if kind == "image_pil":
+        return part.get("image_pil")
+    value = part.get("image_url")
+    if isinstance(value, dict):  # chat: {"image_url": {"url": ...}}; Responses: {"image_url": "..."}
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: an {kind} part needs an image URL")
+    return value
+
+
+def _content(content: Any, where: str, images: list[Any] | None) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or, where it has images (appended to `images`), its parts as
+    [{"type": "text", "text": ...}, {"type": "image"}, ...] in order. `images` None: the model
+    takes no images, and an image part is an error."""
     if content is None:  # e.g. an assistant message that only made tool calls
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, (list, tuple)):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PART_TYPES and images is not None:
+            images.append(_image_source(part, where))
+            parts.append({"type": "image"})
+        elif kind in IMAGE_PART_TYPES:
+            raise ValueError(f"{where}: this model takes no images (an {kind} part); it is a text-only model")
+        else:
+            raise ValueError(f"{where}: unsupported content part {kind!r}; supported: text"
+                             + ("" if images is None else ", image_url, input_image, image_pil"))
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
-def normalize_conversation(conversation: Any) -> list[dict[str, Any]]:
-    """Validated copies of the messages (the caller's dicts are never modified)."""
+def _as_string(parts: list[dict[str, Any]], placeholder: str) -> str:
+    """Image parts for a template that takes string content: the placeholders first, a line
+    each, then the text (vLLM's string content format)."""
+    n = sum(p["type"] == "image" for p in parts)
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    return "\n".join([placeholder] * n + ([text] if text else []))
+
+
+def normalize_conversation(conversation: Any, images: list[Any] | None = None,
+                           image_placeholder: str | None = None) -> list[dict[str, Any]]:
+    """Validated copies of the messages (the caller's dicts are never modified). With `images`
+    (a list to fill), image parts are taken: a message with images keeps its parts as a list,
+    or with `image_placeholder` becomes a string with that placeholder per image."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError("a conversation must be a non-empty list of messages")
     out = []
@@ -49,7 +87,10 @@ def normalize_conversation(conversation: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if role not in ALLOWED_ROLES:
             raise ValueError(f"message {i}: unknown role {role!r}; expected one of {list(ALLOWED_ROLES)}")
-        out.append({**msg, "content": _content_text(msg.get("content"), f"message {i}")})
+        content = _content(msg.get("content"), f"message {i}", images)
+        if isinstance(content, list) and image_placeholder is not None:
+            content = _as_string(content, image_placeholder)
+        out.append({**msg, "content": content})
     return out
 
 
@@ -147,10 +188,14 @@ def render_conversations(
     chat_template_kwargs: dict[str, Any] | None = None,
     template_is_text: bool = False,
     max_chars: int = MAX_RENDER_CHARS,
+    image_placeholder: str | None = None,
 ) -> list[str | dict[str, Any]]:
     """One prompt per conversation: a string, or token ids where that avoids a double BOS.
     With `template_is_text`, `chat_template` is taken as Jinja text only, never as a path
-    (a template from a request must not read files)."""
+    (a template from a request must not read files). With `image_placeholder` (a vision-language
+    model's, e.g. "<image>"), image parts are taken: such a conversation's prompt is a dict with
+    `multi_modal_data` {"image": [their URLs or PIL images]}, its text holding one placeholder per
+    image: where the template puts it for image parts, else before the message's text."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -162,7 +207,7 @@ def render_conversations(
     clash = _RESERVED_KWARGS & set(extra)
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}; use the arguments of chat()")
-    conversations = [normalize_conversation(c) for c in split_conversations(messages)]
+    conversations = split_conversations(messages)
     own = chat_template is None  # the model's (or the family's shipped) template, not a chosen one
     if template_is_text and chat_template is not None:
         if not isinstance(chat_template, str) or "{" not in chat_template:
@@ -172,18 +217,36 @@ def render_conversations(
         template, max_source = resolve_chat_template(tokenizer, chat_template), None
     variables = {**_special_tokens(tokenizer), **extra}
     prompts: list[str | dict[str, Any]] = []
-    for i, conv in enumerate(conversations):
+    for i, raw in enumerate(conversations):
+        images: list[Any] | None = [] if image_placeholder is not None else None
+        conv = normalize_conversation(raw, images)
         source = template
         if own and uses_tools(conv, extra.get("tools")):
             source = tool_template_for(tokenizer, template) or template
-        try:
-            text = render_fitted(
-                source, conv, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, variables=variables, max_chars=max_chars,
-                max_source_chars=max_source,
-            )
-        except ValueError as e:  # raise_exception(), an error, a limit: the input or template is at fault
-            raise ValueError(f"conversation {i}: {e}") from None
+
+        def render(conv: list[dict[str, Any]], i: int = i, source: str = source) -> str:
+            try:
+                return render_fitted(
+                    source, conv, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, variables=variables, max_chars=max_chars,
+                    max_source_chars=max_source,
+                )
+            except ValueError as e:  # raise_exception(), an error, a limit: the input or template is at fault
+                raise ValueError(f"conversation {i}: {e}") from None
+
+        if images:
+            try:
+                text = render(conv)  # the template's own image handling, if it has one
+            except ValueError:
+                text = ""
+            if text.count(image_placeholder) != len(images):  # it takes strings: placeholders in the text
+                text = render(normalize_conversation(raw, [], image_placeholder))
+        else:
+            text = render(conv)
         check_text(f"conversation {i}", text)  # a lone surrogate in a message would break the tokenizer
-        prompts.append(_avoid_double_bos(tokenizer, text))
+        prompt = _avoid_double_bos(tokenizer, text)
+        if images:
+            prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}),
+                      "multi_modal_data": {"image": images}}
+        prompts.append(prompt)
     return prompts

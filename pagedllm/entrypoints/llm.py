@@ -181,11 +181,26 @@ class LLM:
 
         if tools is not None and (chat_template_kwargs is None or isinstance(chat_template_kwargs, dict)):
             chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
+        mc = self.llm_engine.config.model_config
+        placeholder = None
+        if mc.is_multimodal:
+            from pagedllm.multimodal.processing import image_placeholder
+
+            placeholder = image_placeholder(mc.model_path, mc.trust_remote_code)
         prompts = render_conversations(
             self.get_tokenizer(), messages, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs, image_placeholder=placeholder,
         )
+        if placeholder is not None:
+            from pagedllm.entrypoints.media import connector_from_env
+
+            connector = connector_from_env(mc.allowed_local_media_path, mc.allowed_media_domains)
+            for prompt in prompts:
+                if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+                    sources = prompt["multi_modal_data"]["image"]
+                    prompt["multi_modal_data"]["image"] = [connector.load_image(src, f"image {j}")
+                                                           for j, src in enumerate(sources)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[PromptType], params: Any) -> list[Any]:

@@ -21,6 +21,7 @@ import torch
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.protocol import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.step_inputs import StepInputs, build_step, token_layout
 
@@ -37,6 +38,7 @@ class CachedRequestState:
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
     row: int = -1  # its row in the InputBatch's arrays
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images, in prompt order
 
     @property
     def num_tokens(self) -> int:
@@ -192,7 +194,7 @@ class InputBatch:
             self._grow_rows()
         state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, [],
                                    new.num_computed_tokens, [], new.pooling_params, new.token_type_ids,
-                                   new.lora_request, self._free_rows.pop())
+                                   new.lora_request, self._free_rows.pop(), new.mm_features)
         self.requests[new.req_id] = state
         row = state.row
         self._write_tokens(row, 0, new.prompt_token_ids)

@@ -36,6 +36,7 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.decode_plan import DecodePlanRunner
+from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.input_batch import InputBatch, StepRow
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagedllm.worker.step_inputs import prepare_inputs
@@ -81,7 +82,11 @@ class ModelRunner:
         self.decode_plans: DecodePlanRunner | None = None
         if (self.device.type == "cpu" and self.lora_manager is None and self.pp.world_size == 1
                 and self.pooler_config is None):
-            self.decode_plans = DecodePlanRunner(self.model)
+            get_lm = getattr(self.model, "get_language_model", None)  # a vision-language model's decoder
+            self.decode_plans = DecodePlanRunner(get_lm() if get_lm is not None else self.model)
+        # A vision-language model: its image encoder runs here, on the first pipeline stage.
+        self.encoder = EncoderRunner(self.model, self.device) if getattr(self.model, "supports_multimodal",
+                                                                         False) else None
         spec = config.speculative_config
         self.ngram = self.drafter = self.medusa = None
         if spec is not None and spec.method == "ngram":
@@ -224,6 +229,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.drop(sched.finished_req_ids)
         reqs = self.input_batch.update_states(sched)
+        if self.encoder is not None and self.pp.is_first_rank:
+            self.encoder.execute(sched, self.input_batch.requests)
         out = ModelRunnerOutput([r.req_id for r in reqs], [None] * len(reqs))
         if not reqs:
             self._pending.append((reqs, None, None, out))
@@ -239,7 +246,13 @@ class ModelRunner:
         lora_mask = None
         if self.lora_manager is not None:
             lora_mask = self.lora_manager.prepare([r.lora_request for r in reqs], step.query_lens.tolist())
-        hidden = self._run_model(step, lora_mask)
+        inputs_embeds = None
+        if self.encoder is not None and self.pp.is_first_rank:
+            merged = self.encoder.gather(reqs, step.cu_start)
+            if merged is not None:  # image placeholders among this step's tokens: their embeddings replace them
+                inputs_embeds = self.model.embed_input_ids(step.input_ids, step.positions)
+                inputs_embeds[merged[0]] = merged[1].to(inputs_embeds.dtype)
+        hidden = self._run_model(step, lora_mask, inputs_embeds)
         if hidden is not None and self.pooler_config is not None:
             self._pool(reqs, hidden, step, out)
         elif hidden is not None:
@@ -271,7 +284,8 @@ class ModelRunner:
         for i, vector in zip(done, vectors):
             out.pooler_output[i] = vector
 
-    def _run_model(self, step, lora_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _run_model(self, step, lora_mask: torch.Tensor | None = None,
+                   inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The forward pass of this rank's layers: the hidden states of the previous pipeline stage
         come in, this stage's go out to the next one (without waiting); the last stage returns them."""
         intermediate = None
@@ -279,6 +293,8 @@ class ModelRunner:
             shape = (len(step.input_ids), self.hidden_size)
             intermediate = IntermediateTensors(self.pp.recv_prev(shape, self.config.model_config.dtype, self.device))
         extra = {"token_type_ids": step.token_type_ids} if step.token_type_ids is not None else {}
+        if inputs_embeds is not None:
+            extra["inputs_embeds"] = inputs_embeds
         graph_size = None
         if self.cuda_graphs is not None and intermediate is None and not extra and lora_mask is None:
             graph_size = self.cuda_graphs.bucket(step.attn_metadata, len(step.input_ids))

@@ -85,7 +85,7 @@ def test_text_parts_are_joined(gemma_tok):
     "messages, kwargs, match",
     [
         ([{"role": "robot", "content": "hi"}], {}, "unknown role"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "text content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "takes no images"),
         ([{"role": "user", "content": 5}], {}, "content must be"),
         ([{"role": "user", "content": "hi"}], {"continue_final_message": True}, "cannot both"),
         ([], {}, "non-empty"),

@@ -54,7 +54,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, only: Iterab
                 if key in meta:
                     options[key] = list(meta[key]) if key == "choices" else meta[key]
             if several:
-                options["nargs"] = "+"
+                options["nargs"] = meta.get("nargs", "+")  # "*": the flag alone gives an empty list
         parser.add_argument(*names, **options)
 
 

@@ -88,6 +88,23 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_cls = ToolParserManager.get(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser_cls = ReasoningParserManager.get(reasoning_parser) if reasoning_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # A vision-language model: image parts render as its placeholder, and their URLs are
+        # fetched under the engine's media rules (entrypoints/media.py).
+        self.image_placeholder = self.media = None
+        mc = engine.model_config
+        if getattr(mc, "is_multimodal", False):
+            from pagedllm.entrypoints.media import connector_from_env
+            from pagedllm.multimodal.processing import image_placeholder
+
+            self.image_placeholder = image_placeholder(mc.model_path, mc.trust_remote_code)
+            self.media = connector_from_env(mc.allowed_local_media_path, mc.allowed_media_domains)
+
+    def load_images(self, sources: list[Any]) -> list[Any]:
+        """The images the messages name, fetched and decoded (blocking: run in a worker thread)."""
+        try:
+            return [self.media.load_image(src, f"image {i}") for i, src in enumerate(sources)]
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
 
     def _choice_parser(self, mode: str | None, name: str | None) -> ChoiceParser:
         return ChoiceParser(
@@ -106,9 +123,27 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and its token ids, exactly as the engine would tokenize it. Blocking
-        (template and tokenizer): servers call it through run_blocking. A request's own
-        `chat_template` is Jinja text, never a path, and only with --trust-request-chat-template."""
+        """The prompt text and its token ids, exactly as the engine would tokenize it (an image is
+        its one placeholder here). Blocking (template and tokenizer): servers call it through
+        run_blocking. A request's own `chat_template` is Jinja text, never a path, and only with
+        --trust-request-chat-template."""
+        text, ids, _ = self.render_prompt(messages, chat_template=chat_template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template_kwargs=chat_template_kwargs, tools=tools)
+        return text, ids
+
+    def render_prompt(
+        self,
+        messages: list[Any],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int], list[Any]]:
+        """`render`, and the images the messages name (their URLs), in prompt order."""
         if chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template in a request is not accepted by this server; start it with "
                               "--trust-request-chat-template to allow it", param="chat_template")
@@ -123,12 +158,17 @@ class OpenAIServingChat(OpenAIServing):
                 self.tokenizer, dicts, chat_template=self.chat_template if chat_template is None else chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template_kwargs=kwargs, template_is_text=True, max_chars=self.max_prompt_chars,
+                image_placeholder=self.image_placeholder,
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         if isinstance(prompt, dict):
-            return prompt["prompt"], list(prompt["prompt_token_ids"])
-        return prompt, self.encode(prompt, param="messages")
+            images = prompt.get("multi_modal_data", {}).get("image", [])
+            if "prompt_token_ids" in prompt:
+                return prompt["prompt"], list(prompt["prompt_token_ids"]), images
+            prompt = prompt["prompt"]
+            return prompt, self.encode(prompt, param="messages"), images
+        return prompt, self.encode(prompt, param="messages"), []
 
     def _check(self, request: ChatCompletionRequest) -> None:
         self.check_common(request)
@@ -142,13 +182,23 @@ class OpenAIServingChat(OpenAIServing):
         self.check_generation_runner()
         self._check(request)
         model = self.model_name(request.model)
-        text, ids = await run_blocking(
-            self.render, request.messages, chat_template=request.chat_template,
+        text, ids, image_sources = await run_blocking(
+            self.render_prompt, request.messages, chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools,
         )
+        images = None
+        if image_sources:
+            limit = self.model_config.limit_mm_per_prompt.get("image", 1)
+            if len(image_sources) > limit:  # before fetching any of them
+                raise OpenAIError(f"{len(image_sources)} images in one request; at most {limit} are allowed "
+                                  "(--limit-mm-per-prompt)", param="messages")
+            images = await run_blocking(self.load_images, image_sources)
         if request.truncate_prompt_tokens is not None:
+            if images and request.truncate_prompt_tokens < len(ids):
+                raise OpenAIError("truncate_prompt_tokens cannot cut a prompt with images",
+                                  param="truncate_prompt_tokens")
             ids = ids[-request.truncate_prompt_tokens:]
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.check_length(len(ids), max_tokens, prompt_param="messages")
@@ -175,7 +225,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{request.request_id or random_id()}"
         last = request.messages[-1]
         echo = last.content if request.echo and last.role == "assistant" and isinstance(last.content, str) else ""
-        stream = self.generate({"prompt": text, "prompt_token_ids": ids}, params, request_id, request)
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        stream = self.generate(prompt, params, request_id, request)
         created = int(time.time())
         if request.stream:
             [stream] = await run_until_disconnected(raw_request, peek_all([stream]))

@@ -32,8 +32,11 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         # The engine's context length, for the models whose rotary tables depend on it (LongRoPE).
         takes_len = "max_model_len" in inspect.signature(model_cls).parameters
         kwargs = {"max_model_len": model_config.max_model_len} if takes_len else {}
+        # A vision-language model takes the whole config (its vision tower's too).
+        config = model_config.hf_config if getattr(model_cls, "supports_multimodal", False) else \
+            model_config.text_config
         with torch.device(device):
-            model = model_cls(model_config.text_config, **kwargs)
+            model = model_cls(config, **kwargs)
     finally:
         torch.set_default_dtype(prev_dtype)
     restored = False

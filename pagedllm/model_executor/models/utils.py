@@ -67,12 +67,17 @@ class DecoderStack(nn.Module):
         return getattr(self, self.norm_name)(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """Hidden states after `finish`; on a pipeline stage before the last, its layers' output."""
-        if intermediate_tensors is None:
-            hidden = self.embed(input_ids, positions)
-        else:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """Hidden states after `finish`; on a pipeline stage before the last, its layers' output.
+        `inputs_embeds` (a multimodal prompt's: the tokens' embeddings with images merged in)
+        replaces the embedding of `input_ids`."""
+        if intermediate_tensors is not None:
             hidden = intermediate_tensors.hidden_states
+        elif inputs_embeds is not None:
+            hidden = inputs_embeds
+        else:
+            hidden = self.embed(input_ids, positions)
         layers = self.stage_layers
         if self.layers_take_positions:
             for i in range(self.start_layer, self.end_layer):
