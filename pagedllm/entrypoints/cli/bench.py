@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli.bench_lora import add_lora_bench_args, lora_requests
+from pagedllm.entrypoints.cli.bench_mm import RANDOM_MM, add_mm_bench_args, random_mm_prompts, run_hf_mm
 from pagedllm.entrypoints.cli.bench_pooling import add_pooling_args
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
@@ -33,6 +34,7 @@ def add_bench_parser(subparsers) -> None:
     tp.add_argument("--num-prompts", type=int, default=64)
     tp.add_argument("--input-len", type=int, default=32, help="prompt tokens (random prompts)")
     tp.add_argument("--output-len", type=int, default=128)
+    add_mm_bench_args(tp)
     tp.add_argument("--dataset", default=None,
                     help='JSON/JSONL of {"prompt": ...} or a text file, one prompt per line')
     tp.add_argument("--backend", choices=["pagedllm", "transformers"], default="pagedllm")
@@ -158,18 +160,24 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
         metrics = run_pooling_throughput(args, engine_args, tokenizer)
         return _report(metrics, metrics.pop("lines"), args.output_json)
-    if args.dataset:
+    image_prompts = args.dataset == RANDOM_MM
+    if image_prompts:
+        prompts = random_mm_prompts(config, tokenizer, args)
+    elif args.dataset:
         prompts = _dataset_prompts(args.dataset, tokenizer, args.num_prompts)
     else:
         prompts = _random_prompts(config, tokenizer, args.num_prompts, args.input_len)
 
-    if args.backend == "transformers":
+    if args.backend == "transformers" and image_prompts:
+        startup, elapsed, num_output, num_prompt_tokens = run_hf_mm(args, config, prompts)
+    elif args.backend == "transformers":
         startup, elapsed, num_output = _run_hf(args, config, tokenizer, prompts)
+        num_prompt_tokens = sum(len(p) for p in prompts)
     else:
         del tokenizer  # the engine loads its own; a second 262k-vocab tokenizer would count in its RSS
-        startup, elapsed, num_output = _run_pagedllm(args, engine_args, prompts)
+        # (prompt tokens as the engine counts them: an image's placeholders included)
+        startup, elapsed, num_output, num_prompt_tokens = _run_pagedllm(args, engine_args, prompts)
 
-    num_prompt_tokens = sum(len(p) for p in prompts)
     elapsed = max(elapsed, 1e-9)
     metrics = {
         "backend": args.backend,
@@ -233,7 +241,8 @@ def _run_pagedllm(
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
     elapsed = time.perf_counter() - start
-    return startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+    return (startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs),
+            sum(len(o.prompt_token_ids) for o in outputs))
 
 
 def _run_hf(

@@ -1,7 +1,8 @@
 """Responses API items: a request's `input` checked and normalised into stored items (each
 with an id), and any list of items (history, conversation, new input, model output) turned
-into the chat messages the chat template renders. Only text and function tools: an image
-or a file part, or an unknown item type, is a 400 naming the item."""
+into the chat messages the chat template renders. Text, images (`input_image` parts of user
+messages, kept as their URL; a text-only model answers them with a 400) and function tools: a
+file part, or an unknown item type, is a 400 naming the item."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _message_content(content: Any, role: str, where: str) -> list[dict[str, Any]]:
+    """A message's stored parts: its text as one part, and a user message's images (input_image,
+    by URL) where they are among the text."""
+    if role == "assistant" or not isinstance(content, list) or \
+            not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        text = _text_of(content, where)
+        part = "output_text" if role == "assistant" else "input_text"
+        return [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise OpenAIError(f"{where}[{j}]: an input_image part needs an image_url string (a file_id is not "
+                                  "supported)", param=where)
+            parts.append({"type": "input_image", "image_url": url, "detail": part.get("detail") or "auto"})
+        else:
+            parts.append({"type": "input_text", "text": _text_of([part], f"{where}[{j}]")})
+    return parts
+
+
 def _string(item: dict[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (key != "arguments" and not value):
@@ -53,9 +75,7 @@ def normalize_item(item: Any, where: str) -> dict[str, Any]:
         role = item.get("role")
         if role not in _ROLES:
             raise OpenAIError(f"{where}: role must be one of {', '.join(_ROLES)}, got {role!r}", param=where)
-        text = _text_of(item.get("content"), f"{where}.content")
-        part = "output_text" if role == "assistant" else "input_text"
-        content = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+        content = _message_content(item.get("content"), role, f"{where}.content")
         return {"id": item.get("id") or new_id("msg"), "type": "message", "role": role, "content": content,
                 "status": "completed"}
     if kind == "function_call":
@@ -98,7 +118,13 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text_of(item["content"], "item")})
+            parts = item["content"]
+            if any(p["type"] == "input_image" for p in parts):  # the chat renderer takes the images
+                content: Any = [p if p["type"] == "input_image" else {"type": "text", "text": p["text"]}
+                                for p in parts]
+            else:
+                content = _text_of(parts, "item")
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",

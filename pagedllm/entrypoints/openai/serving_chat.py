@@ -99,12 +99,23 @@ class OpenAIServingChat(OpenAIServing):
             self.image_placeholder = image_placeholder(mc.model_path, mc.trust_remote_code)
             self.media = connector_from_env(mc.allowed_local_media_path, mc.allowed_media_domains)
 
-    def load_images(self, sources: list[Any]) -> list[Any]:
+    def load_images(self, sources: list[Any], param: str = "messages") -> list[Any]:
         """The images the messages name, fetched and decoded (blocking: run in a worker thread)."""
         try:
             return [self.media.load_image(src, f"image {i}") for i, src in enumerate(sources)]
         except ValueError as e:
-            raise OpenAIError(str(e), param="messages") from None
+            raise OpenAIError(str(e), param=param) from None
+
+    async def images_for(self, sources: list[Any], param: str = "messages") -> list[Any] | None:
+        """The request's images, checked against --limit-mm-per-prompt before any is fetched, then
+        fetched and decoded off the event loop; None without images."""
+        if not sources:
+            return None
+        limit = self.model_config.limit_mm_per_prompt.get("image", 1)
+        if len(sources) > limit:
+            raise OpenAIError(f"{len(sources)} images in one request; at most {limit} are allowed "
+                              "(--limit-mm-per-prompt)", param=param)
+        return await run_blocking(self.load_images, sources, param)
 
     def _choice_parser(self, mode: str | None, name: str | None) -> ChoiceParser:
         return ChoiceParser(
@@ -188,13 +199,7 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools,
         )
-        images = None
-        if image_sources:
-            limit = self.model_config.limit_mm_per_prompt.get("image", 1)
-            if len(image_sources) > limit:  # before fetching any of them
-                raise OpenAIError(f"{len(image_sources)} images in one request; at most {limit} are allowed "
-                                  "(--limit-mm-per-prompt)", param="messages")
-            images = await run_blocking(self.load_images, image_sources)
+        images = await self.images_for(image_sources)
         if request.truncate_prompt_tokens is not None:
             if images and request.truncate_prompt_tokens < len(ids):
                 raise OpenAIError("truncate_prompt_tokens cannot cut a prompt with images",

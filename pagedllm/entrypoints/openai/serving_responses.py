@@ -162,13 +162,14 @@ class OpenAIServingResponses:
         if (request.reasoning or {}).get("effort"):
             kwargs.setdefault("reasoning_effort", request.reasoning["effort"])
         messages = items_to_messages(items)
-        render = functools.partial(self.chat.render, tools=tools, chat_template=request.chat_template,
+        render = functools.partial(self.chat.render_prompt, tools=tools, chat_template=request.chat_template,
                                    chat_template_kwargs=kwargs)
-        text, ids = await run_blocking(render, system + messages)
+        text, ids, image_sources = await run_blocking(render, system + messages)
         while request.truncation == "auto" and len(messages) > 1 and \
                 len(ids) + (request.max_output_tokens or 1) > self.chat.max_model_len:
             messages = messages[1:]  # drop the oldest turns until the prompt fits, as OpenAI's "auto" does
-            text, ids = await run_blocking(render, system + messages)
+            text, ids, image_sources = await run_blocking(render, system + messages)
+        images = await self.chat.images_for(image_sources, param="input")
         self.chat.check_length(len(ids), request.max_output_tokens, prompt_param="input")
         wants_logprobs = "message.output_text.logprobs" in (request.include or [])
         params = self.chat.sampling_params(request, max_tokens=request.max_output_tokens,
@@ -192,7 +193,10 @@ class OpenAIServingResponses:
                 shaped).skip_special_tokens
         if session is None:
             session = self._new_session(request, model, store, history, new_items, conv_id)
-        return session, {"prompt": text, "prompt_token_ids": ids}, params, (mode, tool_name)
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return session, prompt, params, (mode, tool_name)
 
     def _new_session(self, request: ResponsesRequest, model: str, store: bool, history: list, new_items: list,
                      conv_id: str | None) -> ResponseSession:

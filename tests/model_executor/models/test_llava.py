@@ -1,7 +1,7 @@
 """LLaVA-1.5 against transformers, token for token (float32, tiny random checkpoint with its own
 processor): one image, two images, a batch mixing text and image prompts, a chunked prefill that
-splits an image, prefix-cache hits and misses on images, chat, and the server through the openai
-SDK."""
+splits an image, prefix-cache hits and misses on images, chat, preemption and n > 1, tensor and
+pipeline parallel, and the server through the openai SDK (chat and Responses)."""
 
 from __future__ import annotations
 
@@ -183,6 +183,17 @@ def test_n_greater_than_one_and_preemption(llm, llava):
     assert got == want
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_parallel_layouts(llava, layout):
+    """Two worker processes: the replicated tower on both tensor-parallel ranks (the embedding
+    all-reduce needs both), or on the first pipeline stage only; the reference's tokens either way."""
+    llm = make_llm(llava, **layout)
+    outs = llm.generate([mm(PROMPT, 16), mm(LONG_PROMPT, 17)], greedy(), use_tqdm=False)
+    assert tuple(outs[0].outputs[0].token_ids) == reference(llava, PROMPT, (16,))
+    assert tuple(outs[1].outputs[0].token_ids) == reference(llava, LONG_PROMPT, (17,))
+
+
 def test_served_with_the_openai_sdk(llava, tmp_path_factory):
     """`pagedllm serve` (engine core in its own process, images sent once through the mirrored
     cache): chat completions with data: URLs give the reference's tokens; bad images are 400s."""
@@ -219,5 +230,14 @@ def test_served_with_the_openai_sdk(llava, tmp_path_factory):
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == want  # nothing was lost
+        # The Responses API's input_image parts.
+        parts = [{"type": "input_text", "text": "compare"},
+                 {"type": "input_image", "image_url": data_url(random_image(14))},
+                 {"type": "input_image", "image_url": data_url(random_image(15))}]
+        resp = client.responses.create(model=MODEL, input=[{"role": "user", "content": parts}],
+                                       max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        assert resp.output_text == want
+        stored = client.responses.input_items.list(resp.id).data[0]
+        assert [c.type for c in stored.content] == ["input_text", "input_image", "input_image"]
     finally:
         serving.close()
