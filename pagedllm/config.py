@@ -112,11 +112,7 @@ def build_pooler_config(model_path: str, architecture: str, override: dict | str
                                    ("pooling_mode_lasttoken", "LAST")):
                     if pooling.get(mode):
                         config.pooling_type = name
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError:
-            raise ValueError(f"pooler_config must be a JSON object, got {override!r}") from None
+    override = json_dict(override, "pooler_config")
     if override:
         unknown = set(override) - {"pooling_type", "normalize"}
         if unknown:
@@ -158,17 +154,23 @@ class SchedulerConfig:
     encoder_cache_size: int = 0
 
 
-def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
-    """--limit-mm-per-prompt '{"image": 2}' (vLLM's): most items of each modality in one prompt."""
-    if value is None or value == "":
-        return {"image": 1}
+def json_dict(value: Any, name: str) -> dict | None:
+    """A dict-valued option as given: a dict, or its JSON text (as on the command line); None stays None."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError('limit_mm_per_prompt must be a dict such as {"image": 2}')
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict), got {type(value).__name__}")
+    return value
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt '{"image": 2}' (vLLM's): most items of each modality in one prompt."""
+    if value is None or value == "":
+        return {"image": 1}
+    value = json_dict(value, "limit_mm_per_prompt")
     out = {}
     for k, v in value.items():
         if k != "image":
@@ -493,13 +495,7 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
     model's own config is added once its files are resolved (draft_model_config)."""
     if spec is None or spec == {}:
         return None
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError("speculative_config must be a dict (or its JSON)")
+    spec = json_dict(spec, "speculative_config")
     unknown = set(spec) - _SPEC_KEYS
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}")

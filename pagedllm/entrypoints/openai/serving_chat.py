@@ -124,24 +124,9 @@ class OpenAIServingChat(OpenAIServing):
             self.reasoning_parser_cls(self.tokenizer) if self.reasoning_parser_cls else None,
         )
 
-    def render(
-        self,
-        messages: list[Any],
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> tuple[str, list[int]]:
-        """The prompt text and its token ids, exactly as the engine would tokenize it (an image is
-        its one placeholder here). Blocking (template and tokenizer): servers call it through
-        run_blocking. A request's own `chat_template` is Jinja text, never a path, and only with
-        --trust-request-chat-template."""
-        text, ids, _ = self.render_prompt(messages, chat_template=chat_template,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message,
-                                          chat_template_kwargs=chat_template_kwargs, tools=tools)
+    def render(self, messages: list[Any], **kwargs: Any) -> tuple[str, list[int]]:
+        """`render_prompt`'s text and token ids (an image is its one placeholder there)."""
+        text, ids, _ = self.render_prompt(messages, **kwargs)
         return text, ids
 
     def render_prompt(
@@ -154,7 +139,10 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int], list[Any]]:
-        """`render`, and the images the messages name (their URLs), in prompt order."""
+        """The prompt text and its token ids, exactly as the engine would tokenize it, and the
+        images the messages name (their URLs, in prompt order; each is one placeholder in the
+        text). Blocking (template and tokenizer): servers call it through run_blocking. A request's
+        own `chat_template` is Jinja text, never a path, and only with --trust-request-chat-template."""
         if chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template in a request is not accepted by this server; start it with "
                               "--trust-request-chat-template to allow it", param="chat_template")
