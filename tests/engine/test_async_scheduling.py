@@ -6,7 +6,6 @@ bitmask for N + 1 must see step N's token), worker processes, and the server."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from functools import partial
 
 import openai
@@ -34,11 +33,32 @@ def _params(stop_token: int) -> list[SamplingParams]:
     ]
 
 
-def _run(model: str, async_scheduling: bool, prompts, sampling, **kw):
-    """Outputs and the most output placeholders any request had just after a schedule()."""
-    kw.setdefault("kv_cache_memory", 1 << 24)
-    llm = LLM(model, dtype="float32", block_size=8, max_num_batched_tokens=16, async_scheduling=async_scheduling,
-              **kw)
+ENGINE = dict(dtype="float32", block_size=8, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """A synchronous and an asynchronous engine with `_run`'s settings, {async_scheduling: LLM},
+    shared by the tests that need no others (the asynchronous one's worker process takes
+    seconds to start). One grammar compiler process each: test_grammar_sees_the_token_in_flight
+    needs no more (tests/structured_output/test_grammar_compile_jam.py tests the default two)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_GRAMMAR_COMPILE_WORKERS", "1")
+        built = {a: LLM(tiny_llama, kv_cache_memory=1 << 24, async_scheduling=a, **ENGINE) for a in (False, True)}
+    yield built
+    for llm in built.values():
+        llm.llm_engine.shutdown()
+
+
+def _run(model: str | LLM, async_scheduling: bool, prompts, sampling, **kw):
+    """Outputs and the most output placeholders any request had just after a schedule(). `model`:
+    a path (a new engine, shut down after) or one of `engines` (left running)."""
+    if isinstance(model, LLM):
+        assert not kw and model.llm_engine.engine_core.scheduler.async_scheduling == async_scheduling
+        llm = model
+    else:
+        kw.setdefault("kv_cache_memory", 1 << 24)
+        llm = LLM(model, async_scheduling=async_scheduling, **ENGINE, **kw)
     core = llm.llm_engine.engine_core
     scheduler, schedule = core.scheduler, core.scheduler.schedule
     most = [0]
@@ -52,21 +72,24 @@ def _run(model: str, async_scheduling: bool, prompts, sampling, **kw):
         return out
 
     scheduler.schedule = counting_schedule
-    outs = llm.generate(prompts, sampling, use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, sampling, use_tqdm=False)
+    finally:
+        del scheduler.schedule
     assert not core.batch_queue and not scheduler.requests
     assert_idle(llm)
     result = [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
     stats = llm.llm_engine.get_stats()
-    llm.llm_engine.shutdown()
+    if llm is not model:
+        llm.llm_engine.shutdown()
     return result, [o.prompt_logprobs for o in outs], stats, most[0]
 
 
-@functools.cache
-def _stop_token(model: str) -> int:
+@pytest.fixture(scope="module")
+def stop_token(engines) -> int:
     """A token the last prompt's greedy answer has at its 6th position (and not before)."""
-    llm = LLM(model, dtype="float32", kv_cache_memory=1 << 24)
-    (out,) = llm.generate([PROMPTS[-1]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = engines[False].generate([PROMPTS[-1]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                     use_tqdm=False)
     tokens = out.outputs[0].token_ids
     return next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
 
@@ -77,10 +100,13 @@ LAYOUTS = pytest.mark.parametrize("layout", [{}, dict(tensor_parallel_size=2)], 
 
 
 @LAYOUTS
-def test_same_outputs_as_sync(tiny_llama, layout):
-    sampling = _params(_stop_token(tiny_llama))
-    expected = _run(tiny_llama, False, PROMPTS, sampling, **layout)  # TP's all-reduce rounds its own way
-    got = _run(tiny_llama, True, PROMPTS, sampling, **layout)
+def test_same_outputs_as_sync(tiny_llama, engines, stop_token, layout):
+    sampling = _params(stop_token)
+    if layout:  # TP's all-reduce rounds its own way
+        expected = _run(tiny_llama, False, PROMPTS, sampling, **layout)
+        got = _run(tiny_llama, True, PROMPTS, sampling, **layout)
+    else:
+        expected, got = (_run(engines[a], a, PROMPTS, sampling) for a in (False, True))
     assert got[:2] == expected[:2]
     assert expected[3] == 0 and got[3] == 2  # step N + 1 was scheduled with step N's token pending
     stopped = got[0][-1][0]
@@ -98,17 +124,14 @@ def test_max_tokens_and_max_model_len_are_not_overrun(tiny_llama):
     assert [len(o[0][0]) for o in got[0]] == [2, 21] and got[0][1][0][1] == "length"
 
 
-def test_reused_request_id_waits_for_the_step_in_flight(tiny_llama):
+def test_reused_request_id_waits_for_the_step_in_flight(engines):
     """A request stopping at step N still has a row in step N + 1; a new request with its id,
     added meanwhile, waits for that step instead of taking the row's token."""
-    args = dict(model=tiny_llama, dtype="float32", kv_cache_memory=1 << 24)
     greedy = partial(SamplingParams, temperature=0, ignore_eos=True)
-    llm = LLM(**args)
-    expected = [o.outputs[0].token_ids for o in llm.generate(
+    expected = [o.outputs[0].token_ids for o in engines[False].generate(
         [[5, 6, 7], [20, 21, 22, 23, 24], [9, 10, 11, 12]], [greedy(max_tokens=1), greedy(max_tokens=6),
                                                              greedy(max_tokens=12)], use_tqdm=False)]
-    llm.llm_engine.shutdown()
-    engine = LLMEngine.from_engine_args(EngineArgs(**args, async_scheduling=True))
+    engine: LLMEngine = engines[True].llm_engine
     core = engine.engine_core
     # Its first token stops it, which the scheduler cannot know in advance.
     engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, greedy(max_tokens=8, stop_token_ids=expected[0]))
@@ -122,8 +145,9 @@ def test_reused_request_id_waits_for_the_step_in_flight(tiny_llama):
     assert "x" in core.scheduler.deferred
     while engine.has_unfinished_requests():
         final.update({o.request_id: o for o in engine.step() if o.finished})
-    engine.shutdown()
     assert [final[i].outputs[0].token_ids for i in ("x", "y")] == expected[1:]
+    assert not core.scheduler.deferred and not core.scheduler.num_steps_in_flight
+    assert_idle(engines[True])
 
 
 @pytest.mark.parametrize("layout", [{}, dict(data_parallel_size=2)], ids=["one_rank", "dp2"])
@@ -161,14 +185,13 @@ def test_preemption(tiny_llama):
     assert got[:2] == expected[:2]
 
 
-def test_grammar_sees_the_token_in_flight(tiny_llama):
+def test_grammar_sees_the_token_in_flight(engines):
     """The bitmask of step N + 1 is built after step N's token advanced the grammar."""
-    tok = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24).get_tokenizer()
+    tok = engines[False].get_tokenizer()
     kinds = ["json", "regex", "choice", "grammar"]
     prompts = [("Hello, my name is", "The quick brown fox")[i % 2] for i in range(len(kinds))]
     sampling = [params(kind, tok, temperature=0, max_tokens=120) for kind in kinds]
-    expected = _run(tiny_llama, False, prompts, sampling)
-    got = _run(tiny_llama, True, prompts, sampling)
+    expected, got = (_run(engines[a], a, prompts, sampling) for a in (False, True))
     assert got[0] == expected[0]
     for i, out in enumerate(got[0]):
         assert out[0][1] == "stop"

@@ -28,15 +28,39 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.fixture(scope="module")
+def mp_llm():
+    """model -> an engine on `_llm(model, "mp")`, started once for the tests that leave it working
+    (a worker process takes seconds to start); shut down after the module."""
+    built: dict[str, LLM] = {}
+
+    def get(model: str) -> LLM:
+        if model not in built:
+            built[model] = _llm(model, "mp")
+        return built[model]
+
+    yield get
+    for llm in built.values():
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_grammar_compiler():
+    """One grammar compiler process per engine, not two: test_grammar_and_speculation_cross_to_the_worker
+    compiles one grammar (tests/structured_output/test_grammar_compile_jam.py tests the default two)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_GRAMMAR_COMPILE_WORKERS", "1")
+        yield
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
-def test_same_tokens_as_in_process(arch, request):
+def test_same_tokens_as_in_process(arch, request, mp_llm):
     model = request.getfixturevalue(arch)
     expected = _tokens(_llm(model, "uni"))
-    llm = _llm(model, "mp")
+    llm = mp_llm(model)
     executor = llm.llm_engine.engine_core.model_executor
     assert isinstance(executor, MultiprocExecutor) and executor.worker_pids[0] != os.getpid()
     assert _tokens(llm) == expected
-    llm.llm_engine.engine_core.shutdown()
 
 
 def test_timeout_dead_worker_and_cleanup(tiny_llama):
@@ -137,10 +161,9 @@ def test_preemption_and_samples_reach_the_worker_as_diffs(tiny_llama):
     assert results["mp"] == results["uni"]
 
 
-def test_logits_processors_need_the_in_process_worker(tiny_llama):
-    llm = _llm(tiny_llama, "mp")
+def test_logits_processors_need_the_in_process_worker(tiny_llama, mp_llm):
+    llm = mp_llm(tiny_llama)
     with pytest.raises(ValueError, match="cannot reach worker processes"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits]),
                      use_tqdm=False)
     assert _tokens(llm) == _tokens(_llm(tiny_llama, "uni"))
-    llm.llm_engine.engine_core.shutdown()

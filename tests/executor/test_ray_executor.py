@@ -82,8 +82,8 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
         assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.workers) == 1
         assert _tokens(llm) == expected
         (actor,) = executor.workers
-        # An actor runs one call at a time: a health check queued behind a 3 s call cannot answer in 0.5 s.
-        busy = actor.__ray_call__.remote(lambda _self: time.sleep(3))
+        # An actor runs one call at a time: a health check queued behind a 1.5 s call cannot answer in 0.5 s.
+        busy = actor.__ray_call__.remote(lambda _self: time.sleep(1.5))
         with pytest.raises(TimeoutError, match="did not answer within"):
             executor.collective_rpc("check_health", timeout=0.5)
         ray.get(busy)

@@ -30,6 +30,16 @@ from tests.utils import assert_idle
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_grammar_compiler():
+    """One grammar compiler process for each engine this module starts, not the default two (each
+    imports xgrammar, seconds of CPU): here grammars are few and small, compiled once each.
+    test_grammar_compile_jam.py tests the default two."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_GRAMMAR_COMPILE_WORKERS", "1")
+        yield
+
+
 # ---- every kind, sampled --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", list(SPECS))

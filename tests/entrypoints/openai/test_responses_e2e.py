@@ -28,9 +28,12 @@ GREEDY = dict(temperature=0, max_output_tokens=12, extra_body={"ignore_eos": Tru
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_think, tmp_path_factory):
+    """One grammar compiler process, not the default two (each imports xgrammar, seconds of CPU):
+    these tests' grammars are small (test_grammar_compile_jam.py tests the default two)."""
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
              "--trust-request-chat-template", "--chat-template", THINK_OFF_TEMPLATE)
-    yield from serve_tiny(tiny_qwen3_think, tmp_path_factory, extra_args=flags)
+    yield from serve_tiny(tiny_qwen3_think, tmp_path_factory, extra_args=flags,
+                          env={"PAGEDLLM_GRAMMAR_COMPILE_WORKERS": "1"})
 
 
 @pytest.fixture(scope="module")
