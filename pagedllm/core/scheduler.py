@@ -306,9 +306,13 @@ class Scheduler(SchedulerInterface):
             if request.mm_features:
                 to_encode, num_new = self._schedule_encoder_inputs(request, num_computed, num_new, step)
                 if num_new == 0:
-                    break  # its next image waits for encoder budget or cache room; the queue keeps its order
+                    # Its next image waits for encoder budget or cache room; the queue keeps its order.
+                    # A waiting request pins no cached image (running ones may need the room).
+                    self.encoder_cache_manager.free(request)
+                    break
             lookahead = num_lookahead_slots(self.num_lookahead_tokens, self.max_model_len, num_computed + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_computed, lookahead) is None:
+                self.encoder_cache_manager.free(request)
                 break
             self.waiting.pop()
             if self.kv_cache_manager.enable_caching:

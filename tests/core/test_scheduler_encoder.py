@@ -151,3 +151,19 @@ def test_prefix_hit_inside_an_image():
     d.run()
     c_start = [s.start_pos for v in d.outputs for s in v.scheduled if s.req_id == "c"][0]
     assert c_start == 0  # block 0 holds image placeholders (2..17): another image never hits
+
+
+def test_a_waiting_request_pins_no_image():
+    """A request that looks up a cached image and then finds no KV blocks keeps no reference to it:
+    a waiting request must not hold cache room a running request may need for its next image."""
+    sched = make_scheduler(num_blocks=6, encoder_cache=32, encoder_budget=32)
+    d = EncoderDriver(sched)
+    sched.add_request(mm_req("a", 20, [("x", 1, 16)], max_tokens=1))
+    d.run()  # x is cached, unreferenced
+    sched.add_request(mm_req("b", 20, [], max_tokens=3))  # takes 5 of the 6 blocks
+    sched.add_request(mm_req("c", 20, [("x", 1, 16)], max_tokens=1))  # finds x, then no blocks
+    d.step()
+    assert d.scheduled(len(d.outputs) - 1) == {"b": 20}
+    assert sched.encoder_cache_manager.cached["x"] == set()
+    d.run()
+    assert {"a", "b", "c"} <= set(d.finished)
