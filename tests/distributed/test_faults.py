@@ -21,8 +21,8 @@ from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _worker_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedllm-workers-*")))
+def _worker_dirs(root: str | None = None) -> set[str]:
+    return set(glob.glob(os.path.join(root or tempfile.gettempdir(), "pagedllm-workers-*")))
 
 
 def _ranks(server_pid: int) -> list[psutil.Process]:
@@ -33,13 +33,16 @@ def _ranks(server_pid: int) -> list[psutil.Process]:
 
 def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, tmp_path_factory):
     procs: list = []
-    before = _worker_dirs()
-    serving = serve_tiny(tiny_llama, tmp_path_factory, procs, extra_args=("--tensor-parallel-size", "2"))
+    # The server's own temp dir: another test file running beside this one may hold worker dirs of its own.
+    tmp = str(tmp_path_factory.mktemp("server_tmp"))
+    serving = serve_tiny(tiny_llama, tmp_path_factory, procs, extra_args=("--tensor-parallel-size", "2"),
+                         env={"TMPDIR": tmp})
     url = next(serving)
     try:
         descendants = psutil.Process(procs[0].pid).children(recursive=True)
         ranks = _ranks(procs[0].pid)
         assert len(ranks) == 2
+        assert _worker_dirs(tmp)  # the running server's, removed at shutdown (checked below)
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
             lines = r.iter_lines()
@@ -60,7 +63,7 @@ def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, 
         next(serving, None)  # SIGTERM, wait
     time.sleep(0.5)
     assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert _worker_dirs() <= before
+    assert not _worker_dirs(tmp)
 
 
 def test_stopped_rank_times_out_and_killed_stage_fails_the_step(tiny_llama):
