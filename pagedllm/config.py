@@ -54,6 +54,9 @@ class ModelConfig:
     # Which image URLs chat messages may name (entrypoints/media.py has the rules).
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
+    # An image's tokens attend to each other both ways during the prompt (Gemma 3), set from
+    # the model class's `is_mm_prefix_lm`.
+    is_mm_prefix_lm: bool = False
 
     @property
     def is_multimodal(self) -> bool:
@@ -152,6 +155,9 @@ class SchedulerConfig:
     # the encoder cache holds (0: a text model; the engine sets both from the token budget).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # Never split an image's placeholders across steps (vLLM's name): set for models whose image
+    # tokens attend to each other both ways (ModelConfig.is_mm_prefix_lm).
+    disable_chunked_mm_input: bool = False
 
 
 def json_dict(value: Any, name: str) -> dict | None:

@@ -22,6 +22,9 @@ class PrefillSegment:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     block_table: torch.Tensor  # [num_blocks] int64, enough blocks for context + query
+    # Position spans [start, end) whose tokens attend to each other both ways (an image's tokens
+    # in a prefix-LM such as Gemma 3); the rest is causal. Empty: all causal.
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
     # sliding window (None: full) → (block-table slice, number of keys, attention tiles), and "rows"
     # → (block tables, lengths) of its rows run as decodes; built by the first layer that needs
     # them, shared by the others.

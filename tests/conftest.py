@@ -46,6 +46,14 @@ def tiny_llava(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_mm(tmp_path_factory) -> str:
+    """A random-weight Gemma 3 with images and its processor (4 soft tokens per image)."""
+    from tests.utils import make_tiny_gemma3_mm
+
+    return make_tiny_gemma3_mm(str(tmp_path_factory.mktemp("gemma3_mm")))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_think(tmp_path_factory) -> str:
     """A reasoning model's vocabulary: <think> and </think> are single tokens."""
     return make_tiny_model(str(tmp_path_factory.mktemp("qwen3_think")), "qwen3", added_tokens=("<think>", "</think>"))

@@ -44,6 +44,7 @@ LAYERS = [
     "version",
     "envs",
     "cache_files",
+    "process_exit",
     "logger",
     "cpu_isa",
     "cpu_malloc",

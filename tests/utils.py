@@ -338,6 +338,53 @@ def make_tiny_llava(path: str, seed: int = 0, image_size: int = 28, patch_size: 
     return path
 
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def make_tiny_gemma3_mm(path: str, seed: int = 0, image_size: int = 28, patch_size: int = 7,
+                        tokens_per_image: int = 4) -> str:
+    """A random-weight Gemma 3 with images (SigLIP tower, Gemma 3 projector and decoder) and its
+    processor (<start_of_image> placeholder, `tokens_per_image` soft tokens per image), saved as
+    transformers saves one. Its sliding window (8) is shorter than a prompt, longer than an image."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        PreTrainedTokenizerFast,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    os.makedirs(path, exist_ok=True)
+    build_tokenizer(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tok.save_pretrained(path)
+    text = tiny_config("gemma3", len(tok))
+    text.architectures = None
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=image_size, patch_size=patch_size)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=tokens_per_image,
+                       boi_token_index=tok.boi_token_id, eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+                       image_token_index=tok.image_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=tokens_per_image,
+                    chat_template=GEMMA3_CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
 def random_image(seed: int, width: int = 50, height: int = 40):
     import numpy as np
     from PIL import Image
@@ -355,11 +402,21 @@ def data_url(image) -> str:
 
 
 def hf_llava_greedy(model_dir: str, text: str, images: list, max_tokens: int) -> list[int]:
-    """transformers' greedy generate on a LLaVA checkpoint, through its own processor."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    """transformers' greedy generate on a vision-language checkpoint (LLaVA, Gemma 3), through
+    its own processor."""
+    return hf_vlm_greedy(model_dir, text, images, max_tokens)[0]
+
+
+def hf_vlm_greedy(model_dir: str, text: str, images: list, max_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens on a vision-language checkpoint, through its own processor,
+    and each token's logprob."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = processor(text=text, images=images or None, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
+    return tokens, logprobs

@@ -204,6 +204,17 @@ class Scheduler(SchedulerInterface):
                 break  # this image and the ones after it are for later steps
             if f.offset + f.length <= num_computed:
                 continue  # its placeholders are in the KV cache already
+            if self.config.disable_chunked_mm_input and num_computed + num_new < f.offset + f.length:
+                # The chunk would end inside the image: stop before it, or (starting in it, after a
+                # prefix-cache hit) take all of its rest, which may pass long_prefill_token_threshold.
+                if f.offset > num_computed:
+                    num_new = f.offset - num_computed
+                    break
+                rest = f.offset + f.length - num_computed
+                if rest > step.budget:
+                    num_new = 0
+                    break
+                num_new = rest
             if f.identifier in idents or cache.check_and_update_cache(request, i):
                 continue
             if not cache.can_allocate(request, i, step.encoder_budget - pending, pending):

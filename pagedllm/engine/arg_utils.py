@@ -212,6 +212,9 @@ class EngineArgs:
             raise ValueError(f"model architecture {model_config.architecture!r} of {model!r} is not supported; "
                              f"supported: {', '.join(ModelRegistry.get_supported_archs())} (or register your own "
                              "with pagedllm.ModelRegistry.register_model)")
+        if model_config.is_multimodal:
+            model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
+            model_config.is_mm_prefix_lm = bool(getattr(model_cls, "is_mm_prefix_lm", False))
         if self.convert not in ("auto", "embed", "classify"):
             raise ValueError(f"convert must be auto, embed or classify, got {self.convert!r}")
         classifier = is_classifier(model_config.architecture)
@@ -312,6 +315,7 @@ class EngineArgs:
                 # An image's embeddings are made in one encoder run, all in the step that first reaches them.
                 max_num_encoder_input_tokens=max_batched if model_config.is_multimodal else 0,
                 encoder_cache_size=max_batched if model_config.is_multimodal else 0,
+                disable_chunked_mm_input=model_config.is_mm_prefix_lm,
             ),
             device_config=DeviceConfig(device=device),
             speculative_config=speculative_config,

@@ -208,3 +208,6 @@ def _preload() -> None:
 
 if __name__ == "__main__":
     main()
+    from pagedllm.process_exit import exit_process
+
+    exit_process(0)

@@ -22,7 +22,7 @@ import zmq
 
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
 from pagedllm.executor.serial_utils import MessageCodec
-from pagedllm.executor.worker_proc import run_worker
+from pagedllm.executor.worker_proc import worker_main
 from pagedllm.worker.worker import num_cpus
 
 _POLL_MS = 100
@@ -85,7 +85,7 @@ class MultiprocExecutor(DistributedExecutorBase):
             threads = max(1, num_cpus() // (world_size * self.config.parallel_config.data_parallel_size))
             spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: torch does not survive fork
             for rank in range(world_size):
-                proc = spawn.Process(target=run_worker, args=(self.config, rank, broadcast_addr, reply_addr, threads),
+                proc = spawn.Process(target=worker_main, args=(self.config, rank, broadcast_addr, reply_addr, threads),
                                      name=f"PagedllmWorker-{rank}", daemon=True)
                 proc.start()
                 workers.procs.append(proc)

@@ -15,9 +15,16 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.logger import init_logging
+from pagedllm.process_exit import exit_process
 from pagedllm.worker.worker import Worker
 
 _PARENT_CHECK_MS = 1000
+
+
+def worker_main(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr: str, num_threads: int) -> None:
+    """A worker process's target: the loop, then the process's end (pagedllm/process_exit.py)."""
+    run_worker(config, rank, broadcast_addr, reply_addr, num_threads)
+    exit_process(0)
 
 
 def run_worker(config: EngineConfig, rank: int, broadcast_addr: str, reply_addr: str, num_threads: int) -> None:

@@ -6,7 +6,8 @@ the cache of processed images, by content hash), and the processor's `replace_im
 what its placeholder expands to (LLaVA: one `<image>` per patch; Qwen2-VL: one `<|image_pad|>`
 per merged patch; Gemma 3: `<start_of_image>`, 256 soft tokens, `<end_of_image>`). The prompt's
 i-th placeholder becomes image i's expansion; the tokens that take the image's embeddings are its
-run of the image token."""
+run of the embedding token (the processor's `image_token_ids`: LLaVA's `<image>` again, Gemma 3's
+`<image_soft_token>`)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,21 @@ class MultiModalProcessor:
                              "images expand into placeholder tokens (transformers >= 5 processors do)")
         self.tokenizer = tokenizer
         self.model_type = model_type
+        # The prompt's placeholder, and the token that takes an embedding in the expansion: the
+        # same for LLaVA (<image>); Gemma 3 writes <start_of_image> and expands it to soft tokens.
         self.image_token: str = self.hf_processor.image_token
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        if not isinstance(self.image_token_id, int) or self.image_token_id == getattr(tokenizer, "unk_token_id", None):
-            raise ValueError(f"{model_path}: the image token {self.image_token!r} is not in the tokenizer's vocabulary")
+        self.image_token_id = self._token_id(model_path, self.image_token)
+        embed_ids = [i for i in (getattr(self.hf_processor, "image_token_ids", None) or []) if i is not None]
+        self.embed_token_id: int = embed_ids[0] if embed_ids else self.image_token_id
+        self.embed_token: str = tokenizer.convert_ids_to_tokens(self.embed_token_id)
         self.limit_per_prompt = limit_per_prompt
         self.cache = LRUBytesCache(cache_bytes)
+
+    def _token_id(self, model_path: str, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == getattr(self.tokenizer, "unk_token_id", None):
+            raise ValueError(f"{model_path}: the image token {token!r} is not in the tokenizer's vocabulary")
+        return token_id
 
     # ---- one image ----------------------------------------------------------
     def process_image(self, image: Any) -> ProcessedImage:
@@ -72,7 +82,7 @@ class MultiModalProcessor:
         except Exception as e:  # an image the processor cannot take (e.g. too small to resize) is the caller's
             raise ValueError(f"the image processor failed on a {image.width}x{image.height} image: {e}") from None
         data = {k: to_tensor_data(np.asarray(v)) for k, v in out.items() if isinstance(v, np.ndarray)}
-        num_embeds = replacement.count(self.image_token)
+        num_embeds = replacement.count(self.embed_token)
         processed = ProcessedImage(ident, replacement, num_embeds, data)
         self.cache.put(ident, processed, sum(len(t.data) for t in data.values()))
         return processed
@@ -114,9 +124,9 @@ class MultiModalProcessor:
 
     def _features(self, token_ids: list[int], processed: list[ProcessedImage]) -> list[MultiModalFeature]:
         """Image i takes the i-th group of `num_embeds` image tokens, which must be one run."""
-        positions = np.flatnonzero(np.asarray(token_ids) == self.image_token_id)
+        positions = np.flatnonzero(np.asarray(token_ids) == self.embed_token_id)
         if len(positions) != sum(p.num_embeds for p in processed):
-            raise ValueError(f"the prompt holds {len(positions)} image tokens ({self.image_token}) where its "
+            raise ValueError(f"the prompt holds {len(positions)} image tokens ({self.embed_token}) where its "
                              f"{len(processed)} images need {sum(p.num_embeds for p in processed)}: do not write "
                              "image tokens yourself, one placeholder per image")
         features = []

@@ -177,8 +177,10 @@ class InputBatch:
             self.token_ids = _widen(self.token_ids, end)
         self.token_ids[rows, cols] = values
 
-    def prepare_inputs(self, rows: Sequence[StepRow], block_size: int, device: torch.device) -> StepInputs:
-        """The step's flat inputs, gathered from the rows' arrays."""
+    def prepare_inputs(self, rows: Sequence[StepRow], block_size: int, device: torch.device,
+                       mm_prefix_lm: bool = False) -> StepInputs:
+        """The step's flat inputs, gathered from the rows' arrays. `mm_prefix_lm`: the image
+        spans each row's tokens reach attend both ways (`PrefillSegment.bidirectional`)."""
         num = len(rows)
         idx = np.fromiter((r.state.row for r in rows), np.int64, num)
         starts = np.fromiter((r.start_pos for r in rows), np.int64, num)
@@ -186,7 +188,11 @@ class InputBatch:
         layout = token_layout(query_lens, starts)
         input_ids = self.token_ids[idx[layout.req_of_token], layout.positions].astype(np.int64)
         max_blocks = int(-(-(starts + query_lens).max() // block_size))
-        return build_step(input_ids, layout, self.block_table[idx, :max_blocks], block_size, device)
+        spans = None
+        if mm_prefix_lm:
+            spans = [[(f.offset, f.offset + f.length) for f in r.state.mm_features
+                      if f.offset < r.start_pos + r.num_scheduled and f.offset + f.length > r.start_pos] for r in rows]
+        return build_step(input_ids, layout, self.block_table[idx, :max_blocks], block_size, device, spans)
 
     # ---- rows -------------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:

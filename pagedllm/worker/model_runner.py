@@ -87,6 +87,7 @@ class ModelRunner:
         # A vision-language model: its image encoder runs here, on the first pipeline stage.
         self.encoder = EncoderRunner(self.model, self.device) if getattr(self.model, "supports_multimodal",
                                                                          False) else None
+        self.mm_prefix_lm = config.model_config.is_mm_prefix_lm  # image tokens attend both ways (Gemma 3)
         spec = config.speculative_config
         self.ngram = self.drafter = self.medusa = None
         if spec is not None and spec.method == "ngram":
@@ -237,7 +238,7 @@ class ModelRunner:
             return
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
-        step = self.input_batch.prepare_inputs(reqs, self.block_size, self.device)
+        step = self.input_batch.prepare_inputs(reqs, self.block_size, self.device, self.mm_prefix_lm)
         if self.takes_token_types and any(r.token_type_ids is not None for r in reqs):  # a cross-encoder's pairs
             step.token_type_ids = torch.tensor(
                 [t for r in reqs for t in (r.token_type_ids or [0] * r.num_tokens)[r.start_pos : r.start_pos

@@ -70,9 +70,11 @@ def prepare_inputs(
 
 
 def build_step(input_ids: np.ndarray, layout: TokenLayout, block_table: np.ndarray, block_size: int,
-               device: torch.device) -> StepInputs:
+               device: torch.device, bidirectional: list[list[tuple[int, int]]] | None = None) -> StepInputs:
     """Slots and attention metadata from the flat tokens and each request's block table [R, B]
-    (B covering its longest sequence)."""
+    (B covering its longest sequence). `bidirectional`: per request, the position spans whose
+    tokens attend to each other both ways (a Gemma 3 image); such a step takes the torch path,
+    which masks them (the Triton kernels are causal only)."""
     query_lens, starts, cu_start, cu_end = layout.query_lens, layout.starts, layout.cu_start, layout.cu_end
     positions, req_of_token = layout.positions, layout.req_of_token
     seq_lens = starts + query_lens
@@ -90,7 +92,7 @@ def build_step(input_ids: np.ndarray, layout: TokenLayout, block_table: np.ndarr
     # The Triton kernels read the whole batch from three arrays; the per-row split below is then
     # bookkeeping (an encoder's prompt lengths) and stays on the host.
     split_device = device
-    if use_triton_attention(device):
+    if use_triton_attention(device) and not (bidirectional and any(bidirectional)):
         md.triton = TritonMetadata(
             query_start_loc=torch.from_numpy(np.concatenate(([0], cu_end)).astype(np.int32)).to(device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
@@ -112,6 +114,7 @@ def build_step(input_ids: np.ndarray, layout: TokenLayout, block_table: np.ndarr
                 query_len=int(query_lens[i]),
                 context_len=int(starts[i]),
                 block_table=torch.from_numpy(block_table[i, :n_blocks]).to(split_device),
+                bidirectional=bidirectional[i] if bidirectional else [],
             )
         )
     return StepInputs(

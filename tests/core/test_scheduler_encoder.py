@@ -12,11 +12,12 @@ from tests.core.conftest import BS, Driver, make_req
 
 
 def make_scheduler(*, encoder_budget: int = 64, encoder_cache: int = 64, num_blocks: int = 64,
-                   max_num_batched_tokens: int = 64, threshold: int = 0, prefix_caching: bool = True) -> Scheduler:
+                   max_num_batched_tokens: int = 64, threshold: int = 0, prefix_caching: bool = True,
+                   whole_images: bool = False) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=128,
                         long_prefill_token_threshold=threshold, max_num_encoder_input_tokens=encoder_budget,
-                        encoder_cache_size=encoder_cache),
+                        encoder_cache_size=encoder_cache, disable_chunked_mm_input=whole_images),
         CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
     )
 
@@ -167,3 +168,32 @@ def test_a_waiting_request_pins_no_image():
     assert sched.encoder_cache_manager.cached["x"] == set()
     d.run()
     assert {"a", "b", "c"} <= set(d.finished)
+
+
+def test_whole_images_end_a_chunk_before_an_image_it_cannot_finish():
+    """disable_chunked_mm_input (Gemma 3): chunks of 10 would split the image at 7..23; the first
+    stops at 7, the second takes the whole image and more, within the threshold after it."""
+    sched = make_scheduler(threshold=10, whole_images=True)
+    d = EncoderDriver(sched)
+    sched.add_request(mm_req("a", 40, [("img", 7, 16)]))
+    d.step()
+    assert d.scheduled(0) == {"a": 7}
+    d.step()
+    assert d.scheduled(1) == {"a": 16}  # past the threshold: the image's rest, all of it
+    d.run()
+    assert d.encoded == [(1, "img")]
+
+
+def test_whole_images_after_a_prefix_hit_inside_the_image():
+    """A prefix-cache hit that ends inside an image: the next chunk computes all of its rest,
+    or waits for a step with room for it."""
+    prompt = list(range(100, 140))
+    sched = make_scheduler(threshold=4, whole_images=True)
+    d = EncoderDriver(sched)
+    sched.add_request(mm_req("a", 40, [("img", 10, 20)], prompt=prompt, max_tokens=1))
+    d.run()
+    other = prompt[:25] + [7] + prompt[26:]  # differs inside the image: the hit ends there
+    sched.add_request(mm_req("b", 40, [("img", 10, 20)], prompt=other, max_tokens=1))
+    d.step()
+    (start, n), = [(r.start_pos, len(r.token_ids)) for r in d.outputs[-1].scheduled]
+    assert (start, n) == (24, 6)  # the hit ends inside the image; the chunk finishes it, past the threshold

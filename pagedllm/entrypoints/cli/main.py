@@ -32,7 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The command's exit status. `pagedllm serve` run as the program (`argv` None) ends the
+    process itself once the server has shut down (pagedllm/process_exit.py)."""
+    if argv is None and sys.argv[1:2] == ["serve"]:
+        from pagedllm.process_exit import exit_process
+
+        exit_process(_main(sys.argv[1:]))
+    return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
         # The engine-core process imports torch and transformers beside this one, which is
         # about to do the same; it waits for its arguments (engine/core_launch.py).

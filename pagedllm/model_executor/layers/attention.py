@@ -45,8 +45,8 @@ def chunk_runs_as_decodes(seg: PrefillSegment, sliding_window: int | None) -> bo
     """Whether a prompt chunk runs its rows as decodes in the C kernel (each over the keys up to
     its own position): it follows cached context and has at most KERNEL_CHUNK_ROWS rows over at
     most KERNEL_CHUNK_MAX_KEYS keys under the layer's window. The decode plan takes a step by
-    the same test."""
-    if seg.context_len == 0:
+    the same test. Never a chunk with bidirectional spans: its mask is not causal."""
+    if seg.context_len == 0 or seg.bidirectional:
         return False
     keys = seg.context_len + seg.query_len
     if sliding_window is not None:
@@ -163,6 +163,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         seg: PrefillSegment,
     ) -> torch.Tensor:
+        if seg.bidirectional:
+            return self._prefix_lm(q, k, v, k_cache, v_cache, seg)
         if seg.context_len == 0:  # every key is new: read them as computed, not from the cache
             return self._causal(q, k, v, seg, k_cache.shape[1])
         if chunk_runs_as_decodes(seg, self.sliding_window) and self._use_kernel(q):
@@ -184,6 +186,22 @@ class Attention(nn.Module):
         if seg is None:
             return self._tiled(q, k, v, causal_tiles(0, n, 0, self.sliding_window, q.device))
         return self._tiled(q, k, v, self._view(seg, block_size, q.device)[2])
+
+    def _prefix_lm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+        """A chunk with bidirectional spans (an image's tokens, whole in this chunk: the scheduler
+        does not split them): one SDPA call over every key its rows can see, with the mask the
+        layers share through `seg` (`prefix_lm_view`)."""
+        key = ("prefix_lm", self.sliding_window)
+        view = seg.views.get(key)
+        if view is None:
+            view = seg.views[key] = prefix_lm_view(seg, self.sliding_window, k_cache.shape[1], q.device)
+        table, num_keys, mask = view
+        if seg.context_len == 0:  # every key is new
+            return self._sdpa(q, k, v, mask=mask)
+        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        return self._sdpa(q, keys, values, mask=mask)
 
     @staticmethod
     def _rows_as_decodes(seg: PrefillSegment) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +287,27 @@ def prefill_view(
         first = max(0, seg.context_len + 1 - window) // block_size * block_size
     tiles = causal_tiles(seg.context_len, seg.query_len, first, window, device)
     return seg.block_table[first // block_size :], total - first, tiles
+
+
+def prefix_lm_view(
+    seg: PrefillSegment, window: int | None, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """What a chunk with bidirectional spans reads under `window`: the block-table slice from the
+    block holding its earliest query's window start, the number of keys in it, and the mask
+    [rows, keys]: causal, or both in one span; and (under a window) key > query - window, as
+    the reference composes them (Gemma 3: AND(window, OR(causal, same image)))."""
+    total = seg.context_len + seg.query_len
+    first = 0
+    if window is not None and seg.context_len:
+        first = max(0, seg.context_len + 1 - window) // block_size * block_size
+    q_pos = torch.arange(seg.context_len, total, device=device)[:, None]
+    k_pos = torch.arange(first, total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    for start, end in seg.bidirectional:
+        mask |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return seg.block_table[first // block_size :], total - first, mask
 
 
 @dataclass(slots=True)

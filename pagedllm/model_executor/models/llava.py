@@ -8,6 +8,7 @@ linears); images reach it as embeddings merged at their placeholder tokens (the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,12 +20,15 @@ from pagedllm.model_executor.models.registry import resolve_model_cls
 from pagedllm.model_executor.models.utils import IntermediateTensors
 
 # The decoder class for a text config's model_type, when the config does not name it.
-_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def text_model_for(text_config: Any, max_model_len: int | None) -> nn.Module:
     archs = getattr(text_config, "architectures", None) or [_TEXT_ARCHS.get(text_config.model_type, "")]
-    return resolve_model_cls(archs[0])(text_config, max_model_len=max_model_len)
+    cls = resolve_model_cls(archs[0])
+    takes_len = "max_model_len" in inspect.signature(cls).parameters
+    return cls(text_config, max_model_len=max_model_len) if takes_len else cls(text_config)
 
 
 def vision_tower_for(vision_config: Any) -> nn.Module:
