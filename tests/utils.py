@@ -385,6 +385,68 @@ def make_tiny_gemma3_mm(path: str, seed: int = 0, image_size: int = 28, patch_si
     return path
 
 
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_qwen2_vl(path: str, version: str = "2", seed: int = 0) -> str:
+    """A random-weight Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5") with its processor: 4-px
+    patches merged 2x2, images resized to at most 32x32 px (a 24x16 image: 6 tokens, a larger one
+    12), M-RoPE sections [2, 3, 3] over a 16-wide head. Saved as transformers saves one."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    os.makedirs(path, exist_ok=True)
+    build_tokenizer(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], special_tokens=True)
+    tok.save_pretrained(path)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+                                                         ("video_token_id", "<|video_pad|>"),
+                                                         ("vision_start_token_id", "<|vision_start|>"),
+                                                         ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    if version == "2":
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLForConditionalGeneration as Model
+
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    else:
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+    cfg = Config(text_config=text, vision_config=vision, **ids)
+    torch.manual_seed(seed)
+    model = Model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 64, "longest_edge": 32 * 32})
+    # The processor's files as Qwen2VLProcessor.save_pretrained writes them, but for its video half
+    # (Qwen2VLVideoProcessor needs torchvision, which is not installed).
+    images.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(QWEN2_VL_CHAT_TEMPLATE)
+    return path
+
+
 def random_image(seed: int, width: int = 50, height: int = 40):
     import numpy as np
     from PIL import Image
@@ -410,9 +472,11 @@ def hf_llava_greedy(model_dir: str, text: str, images: list, max_tokens: int) ->
 def hf_vlm_greedy(model_dir: str, text: str, images: list, max_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens on a vision-language checkpoint, through its own processor,
     and each token's logprob."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    from pagedllm.multimodal.processing import load_hf_processor
+
+    processor = load_hf_processor(model_dir)  # transformers' own, without a video half needing torchvision
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = processor(text=text, images=images or None, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,

@@ -275,6 +275,10 @@ class EngineArgs:
         speculative_config = parse_speculative_config(self.speculative_config)
         if pooling and speculative_config is not None:
             raise ValueError("speculative decoding needs --runner generate: a pooling request generates no tokens")
+        if speculative_config is not None and model_config.is_multimodal and speculative_config.method != "ngram":
+            raise ValueError(f"speculative decoding with {speculative_config.method!r} on a vision-language model: "
+                             "its proposer would read the image placeholders without the images; use "
+                             '{"method": "ngram", ...}')
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config.draft_model_config = draft_model_config(
                 speculative_config, resolve_model_path(speculative_config.model), model_config, device,

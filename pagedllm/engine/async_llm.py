@@ -107,6 +107,11 @@ class AsyncLLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def expand_image_placeholders(self, token_ids: list[int], images: list[Any]) -> list[int]:
+        _, expanded, _ = self.processor._multimodal({"prompt_token_ids": token_ids, "multi_modal_data": {
+            "image": images}})
+        return expanded
+
     @property
     def is_running(self) -> bool:
         return not self.errored and not any(c.dead for c in self.clients)

@@ -52,6 +52,11 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def expand_image_placeholders(self, token_ids: list[int], images: list[Any]) -> list[int]:
+        """A prompt's token ids with each image placeholder expanded as the engine expands it
+        (what /tokenize counts); blocking. Too many or unreadable images: a ValueError."""
+        ...
+
     async def check_health(self) -> None:
         """Raises EngineDeadError if the engine is gone."""
         ...

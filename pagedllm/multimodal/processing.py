@@ -44,9 +44,7 @@ class MultiModalProcessor:
 
     def __init__(self, model_path: str, tokenizer: Any, model_type: str, limit_per_prompt: dict[str, int],
                  cache_bytes: int, trust_remote_code: bool = False) -> None:
-        from transformers import AutoProcessor
-
-        self.hf_processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.hf_processor = load_hf_processor(model_path, trust_remote_code)
         if not hasattr(self.hf_processor, "replace_image_token") or not getattr(self.hf_processor, "image_token", None):
             raise ValueError(f"{model_path}: its processor ({type(self.hf_processor).__name__}) does not say how "
                              "images expand into placeholder tokens (transformers >= 5 processors do)")
@@ -140,13 +138,38 @@ class MultiModalProcessor:
         return features
 
 
+def load_hf_processor(model_path: str, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's transformers processor. One whose video half needs torchvision (Qwen2-VL's;
+    torchvision's wheels do not load beside a CPU-only torch build) is built without that half:
+    the same processor class, for images only."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).model_type
+    base = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+
+    class ImageOnlyProcessor(base):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(model_path), tokenizer=tokenizer,
+                              video_processor=None, chat_template=getattr(tokenizer, "chat_template", None))
+
+
 @functools.cache
 def image_placeholder(model_path: str, trust_remote_code: bool = False) -> str:
     """The text a prompt holds where an image goes (the processor's image token: LLaVA's
     "<image>"), for chat rendering; read once per model."""
-    from transformers import AutoProcessor
-
-    token = getattr(AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code), "image_token", None)
+    token = getattr(load_hf_processor(model_path, trust_remote_code), "image_token", None)
     if not token:
         raise ValueError(f"{model_path}: its processor names no image token")
     return token

@@ -12,7 +12,7 @@ Every rank holds the same states, so every rank builds the same step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +23,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.protocol import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.step_inputs import StepInputs, build_step, token_layout
+from pagedllm.worker.step_inputs import StepInputs, TokenLayout, build_step, token_layout
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +39,9 @@ class CachedRequestState:
     lora_request: LoRARequest | None = None
     row: int = -1  # its row in the InputBatch's arrays
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images, in prompt order
+    # M-RoPE (Qwen2-VL): the prompt's [3, L] rotary positions, and the shift of every later token.
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -113,8 +116,13 @@ class StepRow:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int = 8, max_model_len: int = 256, max_num_blocks: int = 16) -> None:
+    def __init__(self, max_num_reqs: int = 8, max_model_len: int = 256, max_num_blocks: int = 16,
+                 mrope_positions_fn: Callable | None = None) -> None:
+        """`mrope_positions_fn(prompt_token_ids, mm_features) -> ([3, L] positions, delta)`: a
+        model with multimodal RoPE (its `get_mrope_input_positions`); the steps' rotary
+        positions then come from it."""
         self.requests: dict[str, CachedRequestState] = {}
+        self.mrope_positions_fn = mrope_positions_fn
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks), np.int64)
@@ -192,7 +200,27 @@ class InputBatch:
         if mm_prefix_lm:
             spans = [[(f.offset, f.offset + f.length) for f in r.state.mm_features
                       if f.offset < r.start_pos + r.num_scheduled and f.offset + f.length > r.start_pos] for r in rows]
-        return build_step(input_ids, layout, self.block_table[idx, :max_blocks], block_size, device, spans)
+        step = build_step(input_ids, layout, self.block_table[idx, :max_blocks], block_size, device, spans)
+        if self.mrope_positions_fn is not None:
+            step.positions = self._mrope_positions(rows, layout).to(device)
+        return step
+
+    @staticmethod
+    def _mrope_positions(rows: Sequence[StepRow], layout: TokenLayout) -> torch.Tensor:
+        """The step's rotary positions: [3, T] where an image token is among them, else [T]
+        (three equal streams are plain RoPE, for the fused kernel and the decode plans)."""
+        out = np.empty((3, len(layout.positions)), np.int64)
+        for k, r in enumerate(rows):
+            a, b = int(layout.cu_start[k]), int(layout.cu_end[k])
+            pos = layout.positions[a:b]
+            prompt = r.state.mrope_positions
+            out[:, a:b] = pos + r.state.mrope_delta
+            in_prompt = pos < prompt.shape[1]
+            if in_prompt.any():
+                out[:, a:b][:, in_prompt] = prompt[:, pos[in_prompt]]
+        if (out[0] == out[1]).all() and (out[0] == out[2]).all():
+            return torch.from_numpy(out[0].copy())
+        return torch.from_numpy(out)
 
     # ---- rows -------------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
@@ -202,6 +230,8 @@ class InputBatch:
                                    new.num_computed_tokens, [], new.pooling_params, new.token_type_ids,
                                    new.lora_request, self._free_rows.pop(), new.mm_features)
         self.requests[new.req_id] = state
+        if self.mrope_positions_fn is not None:
+            state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(new.prompt_token_ids, new.mm_features)
         row = state.row
         self._write_tokens(row, 0, new.prompt_token_ids)
         if new.output_token_ids:  # resumed after preemption

@@ -66,7 +66,8 @@ class ModelRunner:
         sched = config.scheduler_config
         num_spec = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len + num_spec,
-                                      -(-(sched.max_model_len + num_spec) // self.block_size))
+                                      -(-(sched.max_model_len + num_spec) // self.block_size),
+                                      getattr(self.model, "get_mrope_input_positions", None))
         self.sampling_metadata = SamplingMetadataBuilder(vocab, self.device, self.input_batch)
         self.kv_caches: list[torch.Tensor] = []
         # The engine core does not send back the tokens sampled here: each request's state takes them.

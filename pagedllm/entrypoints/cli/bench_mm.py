@@ -54,11 +54,13 @@ def run_hf_mm(args: argparse.Namespace, config: EngineConfig,
               prompts: list[dict[str, Any]]) -> tuple[float, float, int, int]:
     """transformers' generate on the same image prompts, `--hf-batch-size` at a time (left padding):
     (load s, generate s, output tokens, prompt tokens with the images' placeholders)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from pagedllm.multimodal.processing import load_hf_processor
 
     mc, device = config.model_config, config.device_config.device
     start = time.perf_counter()
-    processor = AutoProcessor.from_pretrained(mc.model_path, trust_remote_code=mc.trust_remote_code)
+    processor = load_hf_processor(mc.model_path, mc.trust_remote_code)
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(mc.model_path, dtype=mc.dtype).to(device).eval()
     startup = time.perf_counter() - start

@@ -124,11 +124,6 @@ class OpenAIServingChat(OpenAIServing):
             self.reasoning_parser_cls(self.tokenizer) if self.reasoning_parser_cls else None,
         )
 
-    def render(self, messages: list[Any], **kwargs: Any) -> tuple[str, list[int]]:
-        """`render_prompt`'s text and token ids (an image is its one placeholder there)."""
-        text, ids, _ = self.render_prompt(messages, **kwargs)
-        return text, ids
-
     def render_prompt(
         self,
         messages: list[Any],
@@ -138,11 +133,13 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        param: str = "messages",
     ) -> tuple[str, list[int], list[Any]]:
         """The prompt text and its token ids, exactly as the engine would tokenize it, and the
         images the messages name (their URLs, in prompt order; each is one placeholder in the
         text). Blocking (template and tokenizer): servers call it through run_blocking. A request's
-        own `chat_template` is Jinja text, never a path, and only with --trust-request-chat-template."""
+        own `chat_template` is Jinja text, never a path, and only with --trust-request-chat-template.
+        `param`: the request field a message error names (the Responses API's "input")."""
         if chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template in a request is not accepted by this server; start it with "
                               "--trust-request-chat-template to allow it", param="chat_template")
@@ -160,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
                 image_placeholder=self.image_placeholder,
             )
         except ValueError as e:
-            raise OpenAIError(str(e), param="messages") from None
+            raise OpenAIError(str(e), param=param) from None
         if isinstance(prompt, dict):
             images = prompt.get("multi_modal_data", {}).get("image", [])
             if "prompt_token_ids" in prompt:

@@ -163,7 +163,7 @@ class OpenAIServingResponses:
             kwargs.setdefault("reasoning_effort", request.reasoning["effort"])
         messages = items_to_messages(items)
         render = functools.partial(self.chat.render_prompt, tools=tools, chat_template=request.chat_template,
-                                   chat_template_kwargs=kwargs)
+                                   chat_template_kwargs=kwargs, param="input")
         text, ids, image_sources = await run_blocking(render, system + messages)
         while request.truncation == "auto" and len(messages) > 1 and \
                 len(ids) + (request.max_output_tokens or 1) > self.chat.max_model_len:

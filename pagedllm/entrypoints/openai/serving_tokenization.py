@@ -35,31 +35,40 @@ class OpenAIServingTokenization:
         self._info: dict[str, Any] | None = None
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        return await run_blocking(self._tokenize, request)
+        """With images (a vision-language model), each placeholder counts as the tokens it expands
+        to, as the engine will see them: the images are fetched under the media rules."""
+        ids, image_sources = await run_blocking(self._tokenize, request)
+        if image_sources:
+            images = await self.chat.images_for(image_sources)
+            try:
+                ids = await run_blocking(self.chat.engine.expand_image_placeholders, ids, images)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from None
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.chat.max_model_len, token_strs=strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         return await run_blocking(self._detokenize, request)
 
-    def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    def _tokenize(self, request: TokenizeRequest) -> tuple[list[int], list[Any]]:
+        """The prompt's token ids (an image is its one placeholder) and the images the messages name."""
         self.chat.model_name(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give exactly one of `prompt` or `messages`", param="prompt")
         if request.prompt is not None:
-            ids = self.chat.encode(request.prompt, request.add_special_tokens)
-        else:
-            if not request.messages:
-                raise OpenAIError("messages must not be empty", param="messages")
-            tools = (request.model_extra or {}).get("tools")  # vLLM's field; not (yet) in TokenizeRequest
-            if tools is not None and not isinstance(tools, list):
-                raise OpenAIError("tools must be a list of tools", param="tools")
-            _, ids = self.chat.render(
-                request.messages, chat_template=request.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs, tools=tools,
-            )
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.chat.max_model_len, token_strs=strs)
+            return self.chat.encode(request.prompt, request.add_special_tokens), []
+        if not request.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        tools = (request.model_extra or {}).get("tools")  # vLLM's field; not (yet) in TokenizeRequest
+        if tools is not None and not isinstance(tools, list):
+            raise OpenAIError("tools must be a list of tools", param="tools")
+        _, ids, images = self.chat.render_prompt(
+            request.messages, chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs, tools=tools,
+        )
+        return ids, images
 
     def _detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.chat.model_name(request.model)

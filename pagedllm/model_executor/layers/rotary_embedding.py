@@ -139,7 +139,8 @@ class RotaryEmbedding(nn.Module):
 
     def _fused_ok(self, qkv: torch.Tensor, positions: torch.Tensor, head_dim: int) -> bool:
         return (
-            qkv.dim() == 2
+            positions.dim() == 1
+            and qkv.dim() == 2
             and qkv.stride(1) == 1
             and self.rotary_dim % 32 == 0
             and self.rotary_dim <= head_dim <= 1024
@@ -148,6 +149,33 @@ class RotaryEmbedding(nn.Module):
             and positions.is_contiguous()
             and platform_of(qkv) == "cpu"
         )
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): positions [3, T] (temporal, height, width) rotate three
+    sections of the frequencies (`mrope_section`, summing to rotary_dim / 2), each by its own
+    stream. Text tokens have three equal positions, which is plain RoPE: the runner passes [T]
+    positions for steps without image tokens, and those take the parent's paths (the fused C
+    kernel, the decode plans)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, attention_scaling: float,
+                 mrope_section: list[int]) -> None:
+        super().__init__(inv_freq, max_position, attention_scaling)
+        if sum(mrope_section) * 2 != self.rotary_dim:
+            raise ValueError(f"mrope_section {mrope_section} does not cover the rotary dimension {self.rotary_dim}")
+        stream = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+        self.register_buffer("stream", torch.cat((stream, stream)), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        cols = torch.arange(self.rotary_dim, device=positions.device)
+        rows = positions[self.stream]  # [rotary_dim, T]: each frequency's position stream
+        cos = self.cos_cache[rows, cols[:, None]].t().to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[rows, cols[:, None]].t().to(q.dtype).unsqueeze(1)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pagedllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+from pagedllm.model_executor.layers.rotary_embedding import MRotaryEmbedding, RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.blocks import GatedMLP
 from pagedllm.model_executor.models.utils import (
@@ -114,8 +114,10 @@ class LlamaModel(DecoderStack):
         super().__init__()
         self.embed_tokens = on_stage(True, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         inv_freq, scaling = compute_inv_freq(config, head_dim_of(config), max_model_len=max_model_len)
-        # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        # One cos/sin table shared by every layer; Qwen2-VL's decoder rotates by three position streams.
+        mrope_section = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+        rotary_emb = (MRotaryEmbedding(inv_freq, config.max_position_embeddings, scaling, mrope_section)
+                      if mrope_section else RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling))
         layer_cls = self.decoder_layer_cls
         self.layers = self.build_layers(
             config.num_hidden_layers,

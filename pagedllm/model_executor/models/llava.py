@@ -21,12 +21,13 @@ from pagedllm.model_executor.models.utils import IntermediateTensors
 
 # The decoder class for a text config's model_type, when the config does not name it.
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gemma3_text": "Gemma3ForCausalLM"}
+               "gemma3_text": "Gemma3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+               "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 
 
 def text_model_for(text_config: Any, max_model_len: int | None) -> nn.Module:
-    archs = getattr(text_config, "architectures", None) or [_TEXT_ARCHS.get(text_config.model_type, "")]
-    cls = resolve_model_cls(archs[0])
+    arch = _TEXT_ARCHS.get(text_config.model_type) or (getattr(text_config, "architectures", None) or [""])[0]
+    cls = resolve_model_cls(arch)
     takes_len = "max_model_len" in inspect.signature(cls).parameters
     return cls(text_config, max_model_len=max_model_len) if takes_len else cls(text_config)
 

@@ -46,6 +46,9 @@ class FakeEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def expand_image_placeholders(self, token_ids, images):
+        raise ValueError("the fake engine's model is text-only")
+
     async def encode(self, prompt, pooling_params, request_id, priority=0):
         raise ValueError("this model runs --runner generate")
         yield  # an async generator, as AsyncLLM.encode

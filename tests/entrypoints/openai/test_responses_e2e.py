@@ -291,6 +291,8 @@ def test_errors(client, server):
     for body, param in (({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]"),
                         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
                          "input[0].content"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+                         "input"),  # a text-only model
                         ({"input": "x", "background": True, "store": False}, "background"),
                         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),

@@ -114,11 +114,11 @@ def test_served_with_the_openai_sdk(tiny_gemma3_mm, tmp_path_factory):
     """`pagedllm serve` with the checkpoint's own chat template: chat completions with data: URLs
     give the reference's tokens and logprobs."""
     import openai
-    from transformers import AutoProcessor
 
+    from pagedllm.multimodal.processing import load_hf_processor
     from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
-    processor = AutoProcessor.from_pretrained(tiny_gemma3_mm)
+    processor = load_hf_processor(tiny_gemma3_mm)
     content = [{"type": "text", "text": "compare "},
                {"type": "image_url", "image_url": {"url": data_url(random_image(14))}},
                {"type": "image_url", "image_url": {"url": data_url(random_image(15))}}]

@@ -163,6 +163,12 @@ def test_text_model_refuses_images(tiny_llama):
                  chat_template="{{ messages[0]['content'] }}")
 
 
+def test_speculation_needs_ngram(llava):
+    """A draft model would read the image placeholders without the images: refused at start."""
+    with pytest.raises(ValueError, match="vision-language model"):
+        make_llm(llava, speculative_config={"method": "draft_model", "model": llava, "num_speculative_tokens": 2})
+
+
 def test_n_greater_than_one_and_preemption(llm, llava):
     """With a KV cache of 7 blocks the requests preempt each other (their images encoded again on
     resuming): greedy answers are still the reference's, and n=2 seeded samples of an image prompt
@@ -183,11 +189,12 @@ def test_n_greater_than_one_and_preemption(llm, llava):
     assert got == want
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"data_parallel_size": 2}], ids=["tp2", "pp2", "dp2"])
 def test_parallel_layouts(llava, layout):
     """Two worker processes: the replicated tower on both tensor-parallel ranks (the embedding
-    all-reduce needs both), or on the first pipeline stage only; the reference's tokens either way."""
+    all-reduce needs both), or on the first pipeline stage only; or two engine cores, each with
+    its own encoder cache; the reference's tokens either way."""
     llm = make_llm(llava, **layout)
     outs = llm.generate([mm(PROMPT, 16), mm(LONG_PROMPT, 17)], greedy(), use_tqdm=False)
     assert tuple(outs[0].outputs[0].token_ids) == reference(llava, PROMPT, (16,))
@@ -197,6 +204,7 @@ def test_parallel_layouts(llava, layout):
 def test_served_with_the_openai_sdk(llava, tmp_path_factory):
     """`pagedllm serve` (engine core in its own process, images sent once through the mirrored
     cache): chat completions with data: URLs give the reference's tokens; bad images are 400s."""
+    import httpx
     import openai
 
     from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
@@ -230,6 +238,10 @@ def test_served_with_the_openai_sdk(llava, tmp_path_factory):
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         assert out.choices[0].message.content == want  # nothing was lost
+        # /tokenize counts each image as the placeholder tokens it expands to.
+        counted = httpx.post(f"{url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                             json={"model": MODEL, "messages": [{"role": "user", "content": content}]}).json()
+        assert counted["count"] == out.usage.prompt_tokens == len(tok(hf_chat_text(llava, content)).input_ids) + 30
         # The Responses API's input_image parts.
         parts = [{"type": "input_text", "text": "compare"},
                  {"type": "input_image", "image_url": data_url(random_image(14))},
