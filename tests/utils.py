@@ -300,6 +300,17 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
+def save_random_weights(model_cls, cfg, path: str, seed: int) -> None:
+    """A transformers model of `cfg` with N(0, 0.1) matrices (seeded), saved under `path`."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+
+
 def make_tiny_llava(path: str, seed: int = 0, image_size: int = 28, patch_size: int = 7) -> str:
     """A random-weight LLaVA-1.5 (CLIP tower, projector, Llama) with its processor (CLIP image
     processor, `<image>` token, a chat template), saved as transformers saves one."""
@@ -324,13 +335,7 @@ def make_tiny_llava(path: str, seed: int = 0, image_size: int = 28, patch_size: 
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
                       projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
                       image_seq_length=(image_size // patch_size) ** 2)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    save_random_weights(LlavaForConditionalGeneration, cfg, path, seed)
     images = CLIPImageProcessor(size={"shortest_edge": image_size},
                                 crop_size={"height": image_size, "width": image_size})
     LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=1,
@@ -372,13 +377,7 @@ def make_tiny_gemma3_mm(path: str, seed: int = 0, image_size: int = 28, patch_si
     cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=tokens_per_image,
                        boi_token_index=tok.boi_token_id, eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
                        image_token_index=tok.image_token_id)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    save_random_weights(Gemma3ForConditionalGeneration, cfg, path, seed)
     images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
     Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=tokens_per_image,
                     chat_template=GEMMA3_CHAT_TEMPLATE).save_pretrained(path)
@@ -428,13 +427,7 @@ def make_tiny_qwen2_vl(path: str, version: str = "2", seed: int = 0) -> str:
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
     cfg = Config(text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(seed)
-    model = Model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    save_random_weights(Model, cfg, path, seed)
     images = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
                                       size={"shortest_edge": 64, "longest_edge": 32 * 32})
     # The processor's files as Qwen2VLProcessor.save_pretrained writes them, but for its video half

@@ -11,9 +11,9 @@ import functools
 
 import pytest
 
+from tests.model_executor.models.vlm_checks import MAX_TOKENS, assert_matches, check_served_chat, greedy, make_llm
 from tests.utils import data_url, hf_vlm_greedy, random_image
 
-MAX_TOKENS = 6
 PROMPT = "<start_of_turn>user\nlook <start_of_image> what is it?<end_of_turn>\n<start_of_turn>model\n"
 # Longer than the sliding window (8) and than a 16-token block before the image.
 LONG_PROMPT = ("<start_of_turn>user\nThe quick brown fox jumps over the lazy dog. Paged attention stores keys "
@@ -27,33 +27,13 @@ def reference(model_dir: str, text: str, seeds: tuple[int, ...]) -> tuple[tuple[
     return tuple(tokens), tuple(logprobs)
 
 
-def make_llm(model_dir: str, **kwargs):
-    from pagedllm import LLM
-
-    return LLM(model_dir, **{"dtype": "float32", "kv_cache_memory": 1 << 24, "limit_mm_per_prompt": {"image": 2},
-                             **kwargs})
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_gemma3_mm):
     return make_llm(tiny_gemma3_mm)
 
 
-def greedy():
-    from pagedllm import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-
-
 def mm(text: str, *seeds: int) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": [random_image(s) for s in seeds]}}
-
-
-def assert_matches(out, want: tuple[tuple[int, ...], tuple[float, ...]]) -> None:
-    completion = out.outputs[0]
-    assert tuple(completion.token_ids) == want[0]
-    got = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-    assert got == pytest.approx(want[1], abs=2e-4)
 
 
 def test_one_and_two_images_and_text_in_one_batch(llm, tiny_gemma3_mm):
@@ -113,28 +93,7 @@ def test_prefix_cache_keys_on_the_image(tiny_gemma3_mm):
 def test_served_with_the_openai_sdk(tiny_gemma3_mm, tmp_path_factory):
     """`pagedllm serve` with the checkpoint's own chat template: chat completions with data: URLs
     give the reference's tokens and logprobs."""
-    import openai
-
-    from pagedllm.multimodal.processing import load_hf_processor
-    from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
-
-    processor = load_hf_processor(tiny_gemma3_mm)
     content = [{"type": "text", "text": "compare "},
                {"type": "image_url", "image_url": {"url": data_url(random_image(14))}},
                {"type": "image_url", "image_url": {"url": data_url(random_image(15))}}]
-    text = processor.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"} if c["type"] != "text" else c for c in content]}], add_generation_prompt=True)
-    want_tokens, want_logprobs = reference(tiny_gemma3_mm, text, (14, 15))
-    serving = serve_tiny(tiny_gemma3_mm, tmp_path_factory, chat_template=None,
-                         extra_args=("--limit-mm-per-prompt", '{"image": 2}'))
-    url = next(serving)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY)
-        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                             max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                                             extra_body={"ignore_eos": True, "skip_special_tokens": False})
-        got = out.choices[0].logprobs.content
-        assert out.choices[0].message.content == processor.tokenizer.decode(want_tokens)
-        assert [t.logprob for t in got] == pytest.approx(want_logprobs, abs=2e-4)
-    finally:
-        serving.close()
+    check_served_chat(tiny_gemma3_mm, tmp_path_factory, content, lambda text: reference(tiny_gemma3_mm, text, (14, 15)))

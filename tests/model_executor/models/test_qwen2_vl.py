@@ -11,9 +11,9 @@ import functools
 
 import pytest
 
+from tests.model_executor.models.vlm_checks import MAX_TOKENS, assert_matches, check_served_chat, greedy, make_llm
 from tests.utils import data_url, hf_vlm_greedy, make_tiny_qwen2_vl, random_image
 
-MAX_TOKENS = 6
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\nlook {IMAGE} what is it?<|im_end|>\n<|im_start|>assistant\n"
 LONG_PROMPT = (f"<|im_start|>user\nThe quick brown fox jumps over the lazy dog. Paged attention stores keys and "
@@ -39,28 +39,8 @@ def reference(model_dir: str, text: str, specs: tuple) -> tuple[tuple[int, ...],
     return tuple(tokens), tuple(logprobs)
 
 
-def make_llm(model_dir: str, **kwargs):
-    from pagedllm import LLM
-
-    return LLM(model_dir, **{"dtype": "float32", "kv_cache_memory": 1 << 24, "limit_mm_per_prompt": {"image": 2},
-                             **kwargs})
-
-
-def greedy():
-    from pagedllm import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-
-
 def mm(text: str, *specs) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": [image(s) for s in specs]}}
-
-
-def assert_matches(out, want) -> None:
-    completion = out.outputs[0]
-    assert tuple(completion.token_ids) == want[0]
-    got = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-    assert got == pytest.approx(want[1], abs=2e-4)
 
 
 def test_images_of_two_sizes_and_text_in_one_batch(model_dir):
@@ -101,27 +81,7 @@ def test_prefix_cache_keys_on_the_image(model_dir):
 def test_served_with_the_openai_sdk(model_dir, tmp_path_factory):
     """`pagedllm serve` with the checkpoint's own chat template: two images of two sizes as data:
     URLs give the reference's tokens and logprobs."""
-    import openai
-
-    from pagedllm.multimodal.processing import load_hf_processor
-    from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
-
-    processor = load_hf_processor(model_dir)
     content = [{"type": "text", "text": "compare "},
                {"type": "image_url", "image_url": {"url": data_url(image(SMALL))}},
                {"type": "image_url", "image_url": {"url": data_url(image(LARGE))}}]
-    text = processor.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"} if c["type"] != "text" else c for c in content]}], add_generation_prompt=True)
-    want_tokens, want_logprobs = reference(model_dir, text, (SMALL, LARGE))
-    serving = serve_tiny(model_dir, tmp_path_factory, chat_template=None,
-                         extra_args=("--limit-mm-per-prompt", '{"image": 2}'))
-    url = next(serving)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY)
-        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                             max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
-                                             extra_body={"ignore_eos": True, "skip_special_tokens": False})
-        assert out.choices[0].message.content == processor.tokenizer.decode(want_tokens)
-        assert [t.logprob for t in out.choices[0].logprobs.content] == pytest.approx(want_logprobs, abs=2e-4)
-    finally:
-        serving.close()
+    check_served_chat(model_dir, tmp_path_factory, content, lambda text: reference(model_dir, text, (SMALL, LARGE)))
