@@ -97,12 +97,14 @@ class RotaryEmbedding(nn.Module):
         # Holding `positions` keeps its identity from being reused by a later tensor.
         # (The runner builds a new positions tensor for every pass and never writes into it.)
         if last is None or last[0] is not positions or last[1] != q.dtype:
-            cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-            sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-            last = self._last = (positions, q.dtype, cos, sin)
+            cos, sin = self._gather(positions)
+            last = self._last = (positions, q.dtype, cos.to(q.dtype).unsqueeze(1), sin.to(q.dtype).unsqueeze(1))
         cos, sin = last[2], last[3]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, rotary_dim] at the positions."""
+        return self.cos_cache[positions], self.sin_cache[positions]
 
     def forward_qkv(
         self,
@@ -166,16 +168,12 @@ class MRotaryEmbedding(RotaryEmbedding):
         stream = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
         self.register_buffer("stream", torch.cat((stream, stream)), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
-            return super().forward(positions, q, k)
-        cols = torch.arange(self.rotary_dim, device=positions.device)
+            return super()._gather(positions)
+        cols = torch.arange(self.rotary_dim, device=positions.device)[:, None]
         rows = positions[self.stream]  # [rotary_dim, T]: each frequency's position stream
-        cos = self.cos_cache[rows, cols[:, None]].t().to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[rows, cols[:, None]].t().to(q.dtype).unsqueeze(1)
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+        return self.cos_cache[rows, cols].t(), self.sin_cache[rows, cols].t()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
