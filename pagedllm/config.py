@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedllm import cpu_isa
+from pagedllm import cpu_isa, envs
 from pagedllm.transformers_utils.default_model import DEFAULT_MODEL
 
 _DTYPES = {
@@ -133,6 +133,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     num_blocks: int = 0  # filled in once the KV cache is sized
+    # auto: the model's dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2: a byte an element with a scale
+    # per 32 elements (model_executor/layers/kv_quant.py)
+    cache_dtype: str = "auto"
 
 
 @dataclass(slots=True)
@@ -407,6 +410,19 @@ BLOCK_QUANTIZATION = ("gguf", *CHECKPOINT_QUANTIZATION)
 QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
 # What a GGUF checkpoint with quantized tensors runs as on CPU when --quantization is not given.
 GGUF_CPU_QUANTIZATION = "gguf"
+
+
+# --kv-cache-dtype: auto is the model's dtype; the rest store a byte an element (kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(cache_dtype: str, device: torch.device) -> None:
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
+    if cache_dtype != "auto" and (device.type != "cpu" or envs.PAGEDLLM_ATTENTION_BACKEND == "triton"):
+        # The Triton kernels read a float cache; the byte cache's readers are the CPU kernels and torch.
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} runs on the CPU attention path only, not on device "
+                         f"{str(device)!r} or the Triton kernels: use kv_cache_dtype='auto' there")
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:

@@ -13,11 +13,15 @@
 
 #include <stdint.h>
 
-/* attention.c: one query token per sequence against its paged K/V (window: 0, or the sliding window) */
+/* attention.c: one query token per sequence against its paged K/V (window: 0, or the sliding window;
+ * kv: vec.h's KV kind, with a scale per 32 elements for a byte cache), and a step's K/V into a byte cache */
 void pl_paged_decode_attention(const void *q, int64_t num_seqs, int64_t hq, int64_t hk, int64_t d, const void *k_cache,
-                               const void *v_cache, int64_t block_size, int bf16, const int64_t *block_tables,
-                               int64_t table_stride, const int64_t *seq_lens, int64_t window, float scale, void *out,
-                               int nthreads);
+                               const void *v_cache, int64_t block_size, int bf16, int kv, const float *k_scales,
+                               const float *v_scales, const int64_t *block_tables, int64_t table_stride,
+                               const int64_t *seq_lens, int64_t window, float scale, void *out, int nthreads);
+void pl_kv_cache_write(const void *k, const void *v, int bf16, int64_t n, int64_t hk, int64_t d, int64_t k_stride,
+                       int64_t v_stride, const int64_t *slots, uint8_t *k_cache, uint8_t *v_cache, float *k_scales,
+                       float *v_scales, int kv, int nthreads);
 
 /* gemv_int4.c: y[m, n] = x[m, k] @ dequant(w)^T (+ bias), int4 with per-group scales and zeros */
 void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz, int64_t g,

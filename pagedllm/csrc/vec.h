@@ -37,6 +37,42 @@ INLINE void store1(void *p, int bf16, int64_t i, float v) {
     else ((float *)p)[i] = v;
 }
 
+/* The KV cache's element types: a float tensor (the activations' dtype), or one byte per element
+ * with a float32 scale per 32 elements of a (token, kv head): int8, or fp8 as e4m3 (no infinities, max 448) or e5m2
+ * (fp16's top byte, max 57344). The ids are kv_quant.py's. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8_E4M3 = 3, KV_FP8_E5M2 = 4 };
+
+INLINE int kv8_mant_bits(int kind) { return kind == KV_FP8_E4M3 ? 3 : 2; }
+INLINE int kv8_bias(int kind) { return kind == KV_FP8_E4M3 ? 7 : 15; }
+
+/* One stored byte as a float (before its scale). */
+INLINE float kv8_to_f32(uint8_t b, int kind) {
+    if (kind == KV_INT8) return (float)(int8_t)b;
+    int M = kv8_mant_bits(kind), bias = kv8_bias(kind), e = (b & 0x7F) >> M, m = b & ((1 << M) - 1);
+    float v = e ? ldexpf(1.0f + (float)m / (float)(1 << M), e - bias) : ldexpf((float)m, 1 - bias - M);
+    return (b & 0x80) ? -v : v;
+}
+
+/* x (already divided by its scale, so |x| <= the type's max) as a stored byte, rounded to nearest
+ * even as torch's .round() and its float8 casts round. */
+INLINE uint8_t f32_to_kv8(float x, int kind) {
+    if (kind == KV_INT8) {
+        float r = nearbyintf(x);
+        return (uint8_t)(int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    int M = kv8_mant_bits(kind), bias = kv8_bias(kind), shift = 23 - M;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < ldexpf(1.0f, 1 - bias)) /* subnormal: a multiple of 2^(1 - bias - M) */
+        return sign | (uint8_t)nearbyintf(ldexpf(a, bias - 1 + M));
+    u += ((1u << (shift - 1)) - 1) + ((u >> shift) & 1);
+    return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << M));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include "vec_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__)

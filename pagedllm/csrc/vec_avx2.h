@@ -120,3 +120,19 @@ INLINE void vstore_i16(int16_t *p, vf v, int64_t left) {
     _mm_storeu_si128((__m128i *)buf, h);
     memcpy(p, buf, (size_t)left * sizeof(int16_t));
 }
+
+/* VL stored KV bytes (vec.h's KV_INT8 / KV_FP8_*) as floats, before their scale. e4m3: the
+ * magnitude bits shifted into a float's exponent and mantissa, rebiased; its subnormals
+ * (exponent 0) are the mantissa times 2^-9. */
+INLINE vf vload_kv8(const uint8_t *p, int kind) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (kind == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    if (kind == KV_FP8_E5M2) return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+    __m256i x = _mm256_cvtepu8_epi32(b);
+    __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    vf normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    vf sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512));
+    vf r = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+    return _mm256_or_ps(r, _mm256_castsi256_ps(sign));
+}

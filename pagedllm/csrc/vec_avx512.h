@@ -79,3 +79,17 @@ INLINE int32_t vi_min_where(vm m, vi v) { return _mm512_mask_reduce_min_epi32(m,
 INLINE void vstore_i16(int16_t *p, vf v, int64_t left) {
     _mm256_mask_storeu_epi16(p, tail_mask(left), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
 }
+
+/* VL stored KV bytes as floats, before their scale (as vec_avx2.h's). */
+INLINE vf vload_kv8(const uint8_t *p, int kind) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (kind == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    if (kind == KV_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    __m512i x = _mm512_cvtepu8_epi32(b);
+    __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    vf normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    vf sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
+    vf r = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+}

@@ -96,3 +96,10 @@ INLINE void vstore_i16(int16_t *p, vf v, int64_t left) {
         p[j] = (int16_t)(r > 32767.0f ? 32767 : r < -32768.0f ? -32768 : r);
     }
 }
+
+/* VL stored KV bytes as floats, before their scale. */
+INLINE vf vload_kv8(const uint8_t *p, int kind) {
+    vf v;
+    for (int j = 0; j < 8; j++) v[j] = kv8_to_f32(p[j], kind);
+    return v;
+}

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     POOLING_ARCHITECTURES,
     QUANTIZATION_CHOICES,
     CacheConfig,
@@ -27,6 +28,7 @@ from pagedllm.config import (
     build_parallel_config,
     build_pooler_config,
     check_async_scheduling,
+    check_kv_cache_dtype,
     check_lora_support,
     check_pipeline_parallel,
     check_quantization,
@@ -93,6 +95,10 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV cache block")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (e.g. 2GiB); default: a share of free memory",
                                        parse=parse_bytes)
+    kv_cache_dtype: str = _arg("auto", "the KV cache's element type: auto (the model's dtype), or a byte an element "
+                                       "with a float32 scale per 32: int8, fp8 (= fp8_e4m3) or fp8_e5m2 (CPU; 1.78x "
+                                       "the blocks of bfloat16)",
+                               choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = _arg(0.9, "CUDA: share of the GPU's memory for weights, activations and the KV "
                                               "cache")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
@@ -176,6 +182,7 @@ class EngineArgs:
                                                 self.data_parallel_size, backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
+        check_kv_cache_dtype(self.kv_cache_dtype, device)
         if device.type == "cuda":
             check_cuda_layout(parallel_config)
         if self.runner not in ("auto", "generate", "pooling"):
@@ -305,6 +312,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -16,7 +16,8 @@ the pre-norm Llama layers (Llama, Mistral, Qwen2 with its q/k/v bias, Qwen3 with
 A recipe is keyed by the `forward` it replays, so a subclass that computes otherwise (Granite's
 residual multiplier) keeps the module path. Only on the C kernel path: one rank, weight-only
 quantized decoder linears in pagedllm's layout or GGUF blocks (a plan takes no more rows than
-their kernels: `linear_max_rows`), no LoRA, float32 or bf16. Anything else keeps the module path.
+their kernels: `linear_max_rows`), no LoRA, float32 or bf16 (the KV cache in that dtype, or
+quantized). Anything else keeps the module path.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class DecodePlan:
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
         if d % 32 or rope.rotary_dim % 32 or not rope.rotary_dim <= d <= 1024 or rope.cos_cache.dtype != torch.float32:
             raise Unsupported("head or rotary sizes the kernels do not take")
-        if attn.kv_cache.numel() == 0 or attn.kv_cache.dtype != self.dtype or attn.logits_soft_cap:
+        quant = attn.kv_quant
+        if (attn.kv_cache.numel() == 0 or (quant is None and attn.kv_cache.dtype != self.dtype)
+                or attn.logits_soft_cap):
             raise Unsupported("KV cache or logit soft-capping")
         n, b = self.rows, self.buffers
         qkv, q, k, o = b.qkv[:n], b.q[:n], b.k[:n], b.o[:n]
@@ -175,11 +178,17 @@ class DecodePlan:
             self.nthreads))
         k_cache, v_cache = attn.kv_cache[0], attn.kv_cache[1]
         v = qkv[:, (hq + hk) * d :].view(n, hk, d)
-        self.calls.append(partial(k_cache.view(-1, hk, d).index_copy_, 0, self.slot, k))
-        self.calls.append(partial(v_cache.view(-1, hk, d).index_copy_, 0, self.slot, v))
+        scales = None
+        if quant is None:
+            self.calls.append(partial(k_cache.view(-1, hk, d).index_copy_, 0, self.slot, k))
+            self.calls.append(partial(v_cache.view(-1, hk, d).index_copy_, 0, self.slot, v))
+        else:
+            self.calls.append(cpu_kernels.bind_kv_cache_write(k, v, self.slot, self._dense(attn.kv_cache),
+                                                              self._dense(attn.kv_scales), quant.kind, self.nthreads))
+            scales = (attn.kv_scales[0], attn.kv_scales[1], quant.kind)
         self.calls.append(cpu_kernels.bind_paged_decode_attention(
             q, self._dense(k_cache), self._dense(v_cache), self.block_table, self.seq_len, attn.sliding_window,
-            attn.scale, o, self.nthreads))
+            attn.scale, o, self.nthreads, scales=scales))
         self._linear(attn_mod.o_proj, o.view(n, hq * d), out)
 
     def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:

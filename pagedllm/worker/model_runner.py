@@ -25,6 +25,7 @@ from pagedllm.forward_context import exact_logit_rows, set_forward_context
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
+from pagedllm.model_executor.layers.kv_quant import bytes_per_token_head, groups_per_head, kv_quant_for
 from pagedllm.model_executor.layers.pooler import finish_vectors, pool
 from pagedllm.model_executor.layers.sampler import Sampler, gather_logprobs
 from pagedllm.model_executor.layers.triton_ops import use_triton_attention
@@ -104,11 +105,12 @@ class ModelRunner:
         """The target's attention layers, then the draft model's (same blocks, own tensors)."""
         return self.attn_layers + (self.drafter.attn_layers if self.drafter is not None else [])
 
-    def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.config.model_config.dtype).element_size()
-        return sum(
-            2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self._kv_layers()
-        )
+    def bytes_per_block(self, cache_dtype: str | None = None) -> int:
+        """Bytes of one block in every layer, at the configured KV cache dtype (or `cache_dtype`)."""
+        quant = kv_quant_for(cache_dtype or self.config.cache_config.cache_dtype)
+        itemsize = self.config.model_config.dtype.itemsize
+        return sum(2 * self.block_size * a.num_kv_heads * bytes_per_token_head(a.head_dim, itemsize, quant)
+                   for a in self._kv_layers())
 
     def determine_available_memory(self) -> int:
         """Bytes this rank gives its KV cache (num_gpu_blocks_override: exactly that many blocks)."""
@@ -167,12 +169,21 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype
-        self.kv_caches = []
+        quant = kv_quant_for(self.config.cache_config.cache_dtype)
+        self.kv_caches = []  # every tensor indexed [2, block, ...]: copy_blocks and warm_up treat them alike
         for layer in self._kv_layers():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            kv = _zeros(shape, dtype, self.device)
-            layer.kv_cache = kv
-            self.kv_caches.append(kv)
+            layer.kv_cache = _zeros(shape, dtype if quant is None else torch.uint8, self.device)
+            layer.kv_quant = quant
+            self.kv_caches.append(layer.kv_cache)
+            if quant is not None:
+                layer.kv_scales = _zeros((*shape[:-1], groups_per_head(layer.head_dim)), torch.float32, self.device)
+                self.kv_caches.append(layer.kv_scales)
+        if quant is not None and self.kv_caches:
+            ratio = self.bytes_per_block("auto") / self.bytes_per_block()
+            logger.info("KV cache dtype %s (one byte an element, a float32 scale per 32): %.2fx "
+                        "the blocks the model's %s would give in the same memory", quant.name, ratio,
+                        str(dtype).removeprefix("torch."))
 
     @torch.inference_mode()
     def warm_up(self) -> None:

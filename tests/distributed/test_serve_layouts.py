@@ -1,6 +1,7 @@
 """`pagedllm serve` with a distributed layout, driven by the openai SDK: -dp 2 spreads concurrent
 requests over two engine cores (each labelled in /metrics), and -pp 2 serves through two pipeline
-stages; both answer as one rank does (the offline engine, in this process, gives the reference)."""
+stages, each with its layers' int8 KV cache (--kv-cache-dtype, in vLLM's cache_config_info); both
+answer as one rank does (the offline engine, in this process, gives the reference)."""
 
 from __future__ import annotations
 
@@ -23,21 +24,24 @@ async def _complete_all(url: str) -> list[str]:
     return [o.choices[0].text for o in outs]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama) -> list[str]:
+def _reference(model: str, kv_cache_dtype: str) -> list[str]:
     """What one rank answers: the served flags' dtype and length, greedy, the same 8 tokens."""
-    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256)
+    llm = LLM(model, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("layout", [("--data-parallel-size", "2"), ("--pipeline-parallel-size", "2")])
-def test_served_layout_answers_as_one_rank(tiny_llama, tmp_path_factory, reference, layout):
+@pytest.mark.parametrize("layout", [("--data-parallel-size", "2"),
+                                    ("--pipeline-parallel-size", "2", "--kv-cache-dtype", "int8")])
+def test_served_layout_answers_as_one_rank(tiny_llama, tmp_path_factory, layout):
+    kv_cache_dtype = layout[layout.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in layout else "auto"
+    reference = _reference(tiny_llama, kv_cache_dtype)
     serving = serve_tiny(tiny_llama, tmp_path_factory, extra_args=layout)
     url = next(serving)
     try:
         assert asyncio.run(_complete_all(url)) == reference
         metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        assert f'cache_dtype="{kv_cache_dtype}"' in metrics
         if layout[0] == "--data-parallel-size":
             for engine in ("0", "1"):
                 line = next(ln for ln in metrics.splitlines()

@@ -102,6 +102,21 @@ def test_prompt_chunks_beside_decodes_run_the_plan(gemma3_d32, dtype, monkeypatc
     assert with_plan == _run(llm, prompts, monkeypatch, plan=False)[0]
 
 
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "int8"), ("bfloat16", "fp8")])
+def test_a_quantized_kv_cache_runs_the_plan_bit_identical(gemma3_d32, dtype, kv_cache_dtype, monkeypatch):
+    """The plan writes the byte cache and reads it through the same kernels as the module path:
+    alone, beside a prompt in 2-token chunks, past the window of 8."""
+    llm = LLM(gemma3_d32, dtype=dtype, quantization="int8", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 24,
+              block_size=8, enable_prefix_caching=False, long_prefill_token_threshold=2)
+    prompts = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": list(range(10, 30))}]
+    for batch in (prompts[:1], prompts):
+        with_plan, runs = _run(llm, batch, monkeypatch, plan=True, max_tokens=12)
+        # alone: the prompt's second chunk (1 token after context) and 11 decodes; together: the
+        # long prompt's 2-token chunks beside the decode (3 rows), then both decoding
+        assert runs == ([1] * 12 if len(batch) == 1 else [3] * 9 + [2] * 3 + [1] * 8)
+        assert with_plan == _run(llm, batch, monkeypatch, plan=False, max_tokens=12)[0]
+
+
 def test_unquantized_models_keep_the_module_path(gemma3_d32, monkeypatch):
     llm = LLM(gemma3_d32, dtype="float32", kv_cache_memory=1 << 24)
     _, runs = _run(llm, [{"prompt_token_ids": [5, 17, 42]}], monkeypatch, plan=True)

@@ -227,7 +227,7 @@ class ServerMetrics:
             return
         info = {
             "block_size": cache.block_size,
-            "cache_dtype": "auto",  # the model's dtype
+            "cache_dtype": cache.cache_dtype,
             "enable_prefix_caching": cache.enable_prefix_caching,
             "gpu_memory_utilization": cache.gpu_memory_utilization,
             "kv_cache_memory_bytes": cache.kv_cache_memory,

@@ -12,6 +12,11 @@ Every call first scatters the step's new K/V into their slots (slot_mapping), th
   kernel instead, each against the keys up to its own position.
 Sliding-window layers read only the blocks that hold some query's window.
 
+A quantized cache (`--kv-cache-dtype`, kv_quant.py) holds bytes and a scale per 32 of them: the
+C kernels read them in place; SDPA reads the gathered blocks as values; and a prompt's own new
+K/V are read back as stored, so every read of a token sees the same values however the prompt
+was chunked.
+
 Where the step carries Triton metadata (CUDA), the K/V go in and are read through the Triton
 kernels instead (`triton_ops`): one launch for the whole mixed step, no gather.
 """
@@ -27,7 +32,8 @@ from torch import nn
 
 from pagedllm.forward_context import AttentionMetadata, DecodeView, PrefillSegment, get_attention_metadata
 from pagedllm.model_executor.custom_op import platform_of
-from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers import cpu_kernels, kv_quant
+from pagedllm.model_executor.layers.kv_quant import KVQuant
 
 # Query rows per SDPA call under a sliding window: a tile costs rows x (rows + window - 1)
 # scores; smaller tiles waste fewer, at a call each (docs/performance.md, "row tiles").
@@ -71,8 +77,11 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None  # cap * tanh(scores / cap): Triton path only
-        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner. A
+        # quantized cache: uint8, with float32 scales [2, num_blocks, block_size, num_kv_heads, groups].
         self.kv_cache = torch.empty(0)
+        self.kv_scales = torch.empty(0)
+        self.kv_quant: KVQuant | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] → [T, Hq, D]."""
@@ -85,8 +94,13 @@ class Attention(nn.Module):
             return self._causal(q, k, v)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
         block_size = k_cache.shape[1]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
+        if self.kv_quant is None:
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
+        else:
+            kv_quant.write(k, v, md.slot_mapping, self.kv_cache, self.kv_scales, self.kv_quant)
+            if md.prefills:  # the prompts' own keys and values, as the cache holds them
+                k, v = kv_quant.read_slots(self.kv_cache, self.kv_scales, md.slot_mapping, self.kv_quant, q.dtype)
 
         if not md.prefills:  # decodes only: no scatter into a shared output
             return self._decode(q, k_cache, v_cache, md, block_size)
@@ -103,6 +117,8 @@ class Attention(nn.Module):
         from pagedllm.model_executor.layers.triton_ops.kv_cache import reshape_and_cache
         from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
 
+        if self.kv_quant is not None:
+            raise ValueError("a quantized KV cache runs on the CPU kernels only, not the Triton ones")
         t = md.triton
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
         reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
@@ -123,7 +139,7 @@ class Attention(nn.Module):
         if self._use_kernel(q):
             return cpu_kernels.paged_decode_attention(
                 q, k_cache, v_cache, md.decode_block_tables, torch.from_numpy(md.decode_seq_lens),
-                self.sliding_window, self.scale,
+                self.sliding_window, self.scale, self._kernel_scales(),
             )
         view = md.decode_views.get(self.sliding_window)
         if view is None:
@@ -131,8 +147,8 @@ class Attention(nn.Module):
         num_seqs, num_blocks = view.block_tables.shape
         flat = view.block_tables.flatten()
         shape = (num_seqs, num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        keys = k_cache.index_select(0, flat).view(shape)[:, view.first_key : view.num_keys]
-        values = v_cache.index_select(0, flat).view(shape)[:, view.first_key : view.num_keys]
+        keys = self._blocks(0, flat, q.dtype).view(shape)[:, view.first_key : view.num_keys]
+        values = self._blocks(1, flat, q.dtype).view(shape)[:, view.first_key : view.num_keys]
         # Plain batched GEMMs (for one query token per sequence ~10x faster on CPU than SDPA with
         # a mask) in the cache's dtype, as the reference's bf16 attention does, so the gathered
         # K/V need no float32 copy; the softmax is in float32. 3-D `bmm`, not `matmul`: its 4-D
@@ -148,6 +164,18 @@ class Attention(nn.Module):
         probs = scores.softmax(dim=-1).to(q.dtype).view(batch, group, num_keys)
         out = torch.bmm(probs, values.transpose(1, 2).reshape(batch, num_keys, self.head_dim))
         return out.view(num_seqs, self.num_heads, self.head_dim)
+
+    def _blocks(self, i: int, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks `table` of the keys (i = 0) or values (1) as values in `dtype`:
+        [len(table), block_size, num_kv_heads, head_dim]."""
+        blocks = self.kv_cache[i].index_select(0, table)
+        if self.kv_quant is None:
+            return blocks
+        return kv_quant.dequantize(blocks, self.kv_scales[i].index_select(0, table), self.kv_quant, dtype)
+
+    def _kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The C kernel's view of a quantized cache: the scales and the KV kind."""
+        return None if self.kv_quant is None else (self.kv_scales[0], self.kv_scales[1], self.kv_quant.kind)
 
     def _use_kernel(self, q: torch.Tensor) -> bool:
         """pagedllm's C decode kernel: reads each sequence's keys in place through its block
@@ -170,10 +198,10 @@ class Attention(nn.Module):
         if chunk_runs_as_decodes(seg, self.sliding_window) and self._use_kernel(q):
             tables, lens = self._rows_as_decodes(seg)
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.sliding_window,
-                                                      self.scale)
+                                                      self.scale, self._kernel_scales())
         table, num_keys, tiles = self._view(seg, k_cache.shape[1], q.device)
-        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
-        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        keys = self._blocks(0, table, q.dtype).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        values = self._blocks(1, table, q.dtype).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         return self._tiled(q, keys, values, tiles)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment | None = None,
@@ -199,8 +227,8 @@ class Attention(nn.Module):
         table, num_keys, mask = view
         if seg.context_len == 0:  # every key is new
             return self._sdpa(q, k, v, mask=mask)
-        keys = k_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
-        values = v_cache.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        keys = self._blocks(0, table, q.dtype).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
+        values = self._blocks(1, table, q.dtype).view(-1, self.num_kv_heads, self.head_dim)[:num_keys]
         return self._sdpa(q, keys, values, mask=mask)
 
     @staticmethod

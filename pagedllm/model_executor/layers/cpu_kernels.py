@@ -410,6 +410,10 @@ def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Te
     return packed, torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], dim=-1).contiguous()
 
 
+# The KV cache's element kinds (csrc/vec.h): the activations' float type, or bytes with scales
+KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = range(5)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -418,31 +422,60 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     window: int | None,
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """q [S, Hq, D] (one token per sequence) against caches [blocks, block_size, Hk, D]."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype):
-        raise ValueError("paged_decode_attention: caches must be contiguous, in q's dtype")
+    """q [S, Hq, D] (one token per sequence) against caches [blocks, block_size, Hk, D], in q's
+    dtype, or (`scales`: k_scales, v_scales [blocks, block_size, Hk, D / 32] and the KV kind) bytes."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+            and (k_cache.dtype == q.dtype if scales is None else k_cache.dtype == torch.uint8)):
+        raise ValueError("paged_decode_attention: caches must be contiguous, in q's dtype or bytes with scales")
     q = q.contiguous()
     block_tables = block_tables.to(torch.int64)
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     bind_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale, out,
-                                torch.get_num_threads(), now=True)
+                                torch.get_num_threads(), now=True, scales=scales)
     return out
 
 
 def bind_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
-                                out: torch.Tensor, nthreads: int, now: bool = False) -> Call | None:
-    """`paged_decode_attention` into `out`; q and the caches contiguous, block_tables and seq_lens
-    int64 with unit inner stride."""
+                                out: torch.Tensor, nthreads: int, now: bool = False,
+                                scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> Call | None:
+    """`paged_decode_attention` into `out`; q, the caches and their scales contiguous, block_tables
+    and seq_lens int64 with unit inner stride."""
     num_seqs, hq, d = q.shape
     hk, block_size = k_cache.shape[2], k_cache.shape[1]
-    args = (q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q),
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), window or 0, scale, out.data_ptr(),
+    k_scales, v_scales, kind = scales if scales is not None else (None, None, _is_bf16(q))
+    args = (q.data_ptr(), num_seqs, hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size, _is_bf16(q), kind,
+            _ptr(k_scales), _ptr(v_scales), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            window or 0, scale, out.data_ptr(), nthreads)
+    return _bound(kernels().pl_paged_decode_attention, args, now, q, k_cache, v_cache, k_scales, v_scales,
+                  block_tables, seq_lens, out)
+
+
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
+                   kv_scales: torch.Tensor, kind: int) -> None:
+    """k, v [T, hk, d] into their slots of a byte cache [2, blocks, block_size, hk, d] and its
+    scales [2, blocks, block_size, hk, d / 32] (kv_quant.py); d % 32 == 0."""
+    bind_kv_cache_write(k, v, slots.to(torch.int64).contiguous(), kv_cache, kv_scales, kind,
+                        torch.get_num_threads(), now=True)
+
+
+def bind_kv_cache_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
+                        kv_scales: torch.Tensor, kind: int, nthreads: int, now: bool = False) -> Call | None:
+    """`kv_cache_write`; k and v rows of contiguous heads (any row stride), slots int64."""
+    n, hk, d = k.shape
+    for x in (k, v):
+        if x.stride(2) != 1 or x.stride(1) != d or x.dtype != k.dtype:
+            raise ValueError("kv_cache_write: k and v need contiguous heads, in one dtype")
+    if not (kv_cache.is_contiguous() and kv_scales.is_contiguous() and kv_cache.dtype == torch.uint8):
+        raise ValueError("kv_cache_write: a contiguous byte cache and scales")
+    args = (k.data_ptr(), v.data_ptr(), _is_bf16(k), n, hk, d, k.stride(0), v.stride(0), slots.data_ptr(),
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), kind,
             nthreads)
-    return _bound(kernels().pl_paged_decode_attention, args, now, q, k_cache, v_cache, block_tables, seq_lens, out)
+    return _bound(kernels().pl_kv_cache_write, args, now, k, v, slots, kv_cache, kv_scales)
 
 
 def rms_norm(

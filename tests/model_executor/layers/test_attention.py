@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers import attention as attention_module
-from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.model_executor.layers import cpu_kernels, kv_quant
 from pagedllm.model_executor.layers.attention import Attention, causal_tiles, decode_view
 from pagedllm.worker.step_inputs import prepare_inputs
 from tests.model_executor.layers.conftest import kernel_levels
@@ -58,13 +58,19 @@ def _reference(q, keys, values, positions, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
-    """Sequences whose first seq_len - query_len tokens are cached; the rest are this step's."""
+def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+         kv_cache_dtype="auto"):
+    """Sequences whose first seq_len - query_len tokens are cached; the rest are this step's. A
+    quantized cache (`kv_cache_dtype`) is compared with the reference over its stored values."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
     attn = Attention(heads, head_dim, kv_heads, SCALE, window)
-    attn.kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head_dim, dtype=dtype)
+    quant = attn.kv_quant = kv_quant.kv_quant_for(kv_cache_dtype)
+    shape = (2, num_blocks, BLOCK, kv_heads, head_dim)
+    attn.kv_cache = torch.zeros(shape, dtype=dtype if quant is None else torch.uint8)
+    if quant is not None:
+        attn.kv_scales = torch.zeros(*shape[:-1], kv_quant.groups_per_head(head_dim))
     block_ids, seqs = [], []
     for n in seq_lens:
         ids = [perm.pop() for _ in range(-(-n // BLOCK))]
@@ -74,7 +80,11 @@ def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0, heads=HEADS,
     starts = [n - ql for n, ql in zip(seq_lens, query_lens)]
     for ids, kv, start in zip(block_ids, seqs, starts):
         for pos in range(start):  # the cached context
-            attn.kv_cache[:, ids[pos // BLOCK], pos % BLOCK] = kv[:, pos]
+            if quant is None:
+                attn.kv_cache[:, ids[pos // BLOCK], pos % BLOCK] = kv[:, pos]
+            else:
+                attn.kv_cache[:, ids[pos // BLOCK], pos % BLOCK], attn.kv_scales[:, ids[pos // BLOCK], pos % BLOCK] = \
+                    kv_quant.quantize(kv[:, pos], quant)
     token_ids = [[0] * ql for ql in query_lens]
     inputs = prepare_inputs(token_ids, starts, block_ids, BLOCK, torch.device("cpu"))
     q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
@@ -84,6 +94,8 @@ def _run(seq_lens, query_lens, window, dtype=torch.float32, seed=0, heads=HEADS,
         out = attn(q, k, v)
     offset = 0
     for kv, n, ql in zip(seqs, seq_lens, query_lens):
+        if quant is not None:
+            kv = kv_quant.dequantize(*kv_quant.quantize(kv, quant), quant, torch.float64)
         ref = _reference(q[offset : offset + ql], kv[0], kv[1], list(range(n - ql, n)), window)
         torch.testing.assert_close(out[offset : offset + ql].double(), ref, **_tol(dtype))
         offset += ql
@@ -204,3 +216,14 @@ def test_uncached_attention_under_a_window_matches_dense(monkeypatch):
     k, v = torch.randn(2, 17, KV_HEADS, HEAD_DIM, generator=g)
     ref = _reference(q, k, v, list(range(17)), 5)
     torch.testing.assert_close(attn(q, k, v).double(), ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_reads_its_stored_values_on_every_path(kv_cache_dtype, dtype, decode_calls):
+    """Decodes, a short chunk run as decodes, a longer chunk through SDPA over gathered blocks, a
+    fresh prompt (its own K/V read back as stored), under a window and not; Gemma 3's 256-wide head."""
+    _run([3, 17, 9, 30], [1, 1, 1, 1], None, dtype, kv_cache_dtype=kv_cache_dtype)
+    _run([5, 21, 40, 12], [1, 4, 24, 12], 8, dtype, kv_cache_dtype=kv_cache_dtype)
+    _run([5, 21, 13], [1, 1, 6], None, heads=4, kv_heads=1, head_dim=256, kv_cache_dtype=kv_cache_dtype)
+    decode_calls(5)
