@@ -8,7 +8,11 @@ by BOS, and the second half of each chunk scored (positions N/2 + 1 .. N - 1, ea
 from everything before it in its chunk).
 
     python benchmarks/perplexity.py MODEL.gguf [--ctx 512] [--chunks 32] \\
-        [--llama-perplexity /work/peers/llama-build/bin/llama-perplexity] [--quantization gguf]
+        [--llama-perplexity /work/peers/llama-build/bin/llama-perplexity] [--quantization gguf] \\
+        [--kv-cache-dtype auto int8 fp8 fp8_e5m2] [--dtype float32]
+
+With several --kv-cache-dtype values, one engine each, one after the other, and each figure
+against the first's.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ def topics_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def pagedllm_perplexity(model: str, text: str, ctx: int, chunks: int, quantization: str | None) -> float:
+def pagedllm_perplexity(model: str, text: str, ctx: int, chunks: int, quantization: str | None,
+                        kv_cache_dtype: str = "auto", dtype: str = "auto") -> float:
     from pagedllm import LLM, SamplingParams
 
     kwargs = {"quantization": quantization} if quantization else {}
-    llm = LLM(model, max_model_len=ctx + 1, kv_cache_memory=256 << 20, **kwargs)
+    llm = LLM(model, max_model_len=ctx + 1, kv_cache_memory=256 << 20, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+              **kwargs)
     tokenizer = llm.get_tokenizer()
     ids = tokenizer(text).input_ids  # BOS first, as the model's tokenizer adds it
     bos = tokenizer.bos_token_id
@@ -68,10 +74,17 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=32)
     parser.add_argument("--quantization", default=None, help="pagedllm's --quantization (default: the file's own)")
     parser.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity, to run beside")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="pagedllm's --kv-cache-dtype, each")
+    parser.add_argument("--dtype", default="auto", help="pagedllm's --dtype")
     args = parser.parse_args()
     text = topics_text()
-    ours = pagedllm_perplexity(args.model, text, args.ctx, args.chunks, args.quantization)
-    print(f"pagedllm: PPL = {ours:.4f}")
+    first = None
+    for kv_cache_dtype in args.kv_cache_dtype:
+        ppl = pagedllm_perplexity(args.model, text, args.ctx, args.chunks, args.quantization, kv_cache_dtype,
+                                  args.dtype)
+        first = first or ppl
+        print(f"pagedllm (kv_cache_dtype {kv_cache_dtype}): PPL = {ppl:.4f}  ({ppl / first - 1:+.3%})", flush=True)
+    ours = first
     if args.llama_perplexity:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(text)

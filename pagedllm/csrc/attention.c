@@ -40,9 +40,9 @@ INLINE void key_scores(const void *kc, int kv, const float *k_scales, int64_t at
 #if defined(PL_AVX512) && defined(__AVX512BF16__)
     if (kv == KV_BF16 && bf16) {  /* bf16 pairs straight into float32 sums: no conversion of the keys */
         for (int64_t c = 0; c < d; c += 32) {
-            __m512bh kv = (__m512bh)_mm512_loadu_si512((const uint16_t *)kc + at + c);
+            __m512bh kb = (__m512bh)_mm512_loadu_si512((const uint16_t *)kc + at + c);
             for (int64_t g = 0; g < G; g++)
-                acc[g] = _mm512_dpbf16_ps(acc[g], kv, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * d + c));
+                acc[g] = _mm512_dpbf16_ps(acc[g], kb, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * d + c));
         }
     } else
 #endif
