@@ -4,9 +4,9 @@ of 32 elements of a (token, kv head), so a head's token takes 1.125 d bytes wher
 
 A group's scale is its absmax over the type's largest value, computed as each token's K/V are
 written: no calibration. Groups, as llama.cpp's q8_0 cache has them, because keys carry outlier
-channels (absmax 7-11x the vector's RMS on the default model): one scale per head vector left
-int8 with one or two levels for the small channels, and flipped greedy tokens by up to 1.3
-nats on counting text; per 32 elements it keeps them. Kinds:
+channels (absmax 7-11x the vector's RMS on the default model): one scale per head vector gives
+int8's small channels one or two levels, enough to flip greedy tokens at top-two gaps of 1.3
+nats on counting text (docs/quantization.md). Kinds:
 - int8: round(x / scale) in [-127, 127];
 - fp8 / fp8_e4m3: x / scale as float8 e4m3 (max 448, 3 mantissa bits);
 - fp8_e5m2: x / scale as float8 e5m2 (max 57344, 2 mantissa bits).
