@@ -99,7 +99,7 @@ class Attention(nn.Module):
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
         else:
             kv_quant.write(k, v, md.slot_mapping, self.kv_cache, self.kv_scales, self.kv_quant)
-            if md.prefills:  # the prompts' own keys and values, as the cache holds them
+            if any(seg.context_len == 0 for seg in md.prefills):  # a fresh prompt reads its own K/V: as stored
                 k, v = kv_quant.read_slots(self.kv_cache, self.kv_scales, md.slot_mapping, self.kv_quant, q.dtype)
 
         if not md.prefills:  # decodes only: no scatter into a shared output
