@@ -1,7 +1,8 @@
 """A random-weight pre-quantized checkpoint in a real model's shape (benchmarks/make_shape_model.py's
-SHAPES), written as GPTQ, AWQ or compressed-tensors pack-quantized safetensors, for speed and
-memory figures at real sizes. Random packed words are valid quants in every layout; scales are
-small float16 values, the embedding and norms random bfloat16.
+SHAPES), written as GPTQ, AWQ, compressed-tensors pack-quantized (W4A16) or int-quantized (W8A8,
+`w8a8`) or FP8 (e4m3, a scale per tensor) safetensors, for speed and memory figures at real
+sizes. Random packed words are valid quants in every layout; scales are small float16 values;
+int8 and e4m3 weights are normal draws quantized; the embedding and norms random bfloat16.
 
     python benchmarks/make_quantized_shape.py llama-3.2-1b /tmp/l1b-gptq --method gptq [--group 128] [--sym]
 """
@@ -32,6 +33,13 @@ def _shapes(c: dict) -> dict[str, tuple[int, int]]:
 
 
 def _packed(rng, method: str, n: int, k: int, group: int, sym: bool) -> dict[str, torch.Tensor]:
+    if method in ("fp8", "w8a8"):
+        w = torch.randn(n, k) * 0.02
+        if method == "fp8":
+            scale = w.abs().amax() / 448
+            return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.float()}
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        return {"weight": torch.round(w / scale).to(torch.int8), "weight_scale": scale.bfloat16()}
     g = 1 if group == -1 else k // group
     words = lambda *shape: torch.from_numpy(rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32))  # noqa: E731
     scales = rng.uniform(0.002, 0.02, (g, n)).astype(np.float16)
@@ -53,7 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("path")
-    parser.add_argument("--method", choices=("gptq", "awq", "compressed-tensors"), default="gptq")
+    parser.add_argument("--method", choices=("gptq", "awq", "compressed-tensors", "w8a8", "fp8"),
+                        default="gptq")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--sym", action="store_true", help="symmetric (GPTQ's default; compressed-tensors always)")
     args = parser.parse_args()
@@ -78,7 +87,14 @@ def main() -> None:
             for part, tensor in _packed(rng, args.method, n, k, args.group, sym).items():
                 state[f"{base}.{name}.{part}"] = tensor
     save_file(state, os.path.join(args.path, "model.safetensors"), metadata={"format": "pt"})
-    if args.method == "compressed-tensors":
+    if args.method == "fp8":
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    elif args.method == "w8a8":
+        qc = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                                  "strategy": "token"}}}}
+    elif args.method == "compressed-tensors":
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
             "targets": ["Linear"], "input_activations": None, "weights": {
                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": args.group}}}}

@@ -402,11 +402,13 @@ def cpu_has_native_bf16() -> bool:
 
 
 # int8 / int4: the engine's own weight-only copies, made at load; gguf: a GGUF file's own blocks;
-# gptq / awq / compressed-tensors: a pre-quantized checkpoint's weights, repacked into blocks as
-# they load (transformers_utils/quantized_checkpoint.py). The last four run on the GGUF kernels.
-CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors")
-QUANTIZATION_METHODS = ("int8", "int4", "gguf", *CHECKPOINT_QUANTIZATION)
-BLOCK_QUANTIZATION = ("gguf", *CHECKPOINT_QUANTIZATION)
+# gptq / awq / compressed-tensors / fp8: a pre-quantized checkpoint's weights, repacked into blocks
+# as they load (transformers_utils/quantized_checkpoint.py); fp8 on a float checkpoint: its
+# linears quantized to float8 e4m3 at load (loader/fp8.py), then blocked the same way. All but
+# int8 / int4 run on the GGUF kernels.
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors", "fp8")
+ONLINE_QUANTIZATION = ("int8", "int4", "fp8")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
 QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
 # What a GGUF checkpoint with quantized tensors runs as on CPU when --quantization is not given.
 GGUF_CPU_QUANTIZATION = "gguf"
@@ -447,7 +449,7 @@ def resolve_quantization(
     checkpoint (GPTQ, AWQ, compressed-tensors) runs as what its config says, whatever the
     dtype; asking for another method is an error."""
     from pagedllm.transformers_utils.gguf_loader import gguf_is_quantized
-    from pagedllm.transformers_utils.quantized_checkpoint import read_quant_format
+    from pagedllm.transformers_utils.quant_config import read_quant_format
 
     fmt = read_quant_format(hf_config) if hf_config is not None else None
     if fmt is not None:
@@ -456,7 +458,7 @@ def resolve_quantization(
                              f"not {method!r}")
         check_quantization(fmt.method, device)
         return fmt.method
-    if method in CHECKPOINT_QUANTIZATION:
+    if method in CHECKPOINT_QUANTIZATION and method not in ONLINE_QUANTIZATION:
         raise ValueError(f"quantization={method!r} needs a {method} checkpoint; {model_path} has no "
                          "quantization_config of that method")
     if method == "none":

@@ -69,7 +69,7 @@ def test_long_prefill_token_threshold(tiny_llama):
 # ---- quantization ---------------------------------------------------------------------------------------------
 
 def test_unknown_quantization_method_is_a_value_error(tiny_gemma3):
-    with pytest.raises(ValueError, match="quantization must be None, 'none' or one of int8, int4, gguf, gptq"):
+    with pytest.raises(ValueError, match="quantization must be None, 'none' or one of int8, int4, fp8, gguf, gptq"):
         EngineArgs(model=tiny_gemma3, quantization="int3").create_engine_config()
 
 

@@ -118,9 +118,11 @@ class EngineArgs:
     async_scheduling: bool = _arg(False, "schedule the next step while the current one runs (not with pipeline "
                                          "parallel or speculative decoding)")
     trust_remote_code: bool = _arg(False, "run a model's own modelling code from its directory")
-    quantization: str | None = _arg(None, "weight-only quantized linears and LM head (CPU). Default: gguf for a "
-                                          "GGUF file with quantized tensors on CPU (not with --dtype float32), "
-                                          "else none", choices=QUANTIZATION_CHOICES, aliases=("-q",))
+    quantization: str | None = _arg(None, "quantized linears (CPU): int8 / int4 / fp8 made at load from float "
+                                          "weights; gguf, gptq, awq, compressed-tensors, fp8 a checkpoint's own. "
+                                          "Default: the checkpoint's quantization_config; gguf for a GGUF file with "
+                                          "quantized tensors on CPU (not with --dtype float32); else none",
+                                    choices=QUANTIZATION_CHOICES, aliases=("-q",))
     speculative_config: dict | str | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
               '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or '

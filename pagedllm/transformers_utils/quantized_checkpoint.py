@@ -1,112 +1,48 @@
-"""Pre-quantized Hugging Face checkpoints: GPTQ, AWQ and compressed-tensors (pack-quantized),
-read from `config.json`'s `quantization_config` as the Hub ships them.
+"""Pre-quantized Hugging Face checkpoints: GPTQ, AWQ, FP8 and compressed-tensors
+(pack-quantized, int-quantized, float-quantized), read from `config.json`'s
+`quantization_config` as the Hub ships them.
 
-Each quantized linear's packed tensors are unpacked to integers and float16 scales and
-repacked, one module at a time, into GGUF blocks (`int_blocks`): the layers then hold them as
-they hold a GGUF file's (`--quantization gguf`) and never a float copy. GPTQ's act-order
-(`desc_act`, a `g_idx` that is not in input order) sorts the inputs by group, so every block of
-32 has one scale; the layer gathers its input columns in that order (`BlockTensor.input_perm`).
+Each quantized linear's tensors are unpacked to integers and scales and repacked, one module at
+a time, into GGUF blocks (`int_blocks`): the layers then hold them as they hold a GGUF file's
+(`--quantization gguf`) and never a float copy. GPTQ's act-order (`desc_act`, a `g_idx` that is
+not in input order) sorts the inputs by group, so every block of 32 has one scale; the layer
+gathers its input columns in that order (`BlockTensor.input_perm`). A scale per output channel
+or per tensor (int8 W8A8, FP8) stays a float32 factor on the layer's outputs
+(`BlockTensor.out_scale`), so it needs no float16 form. Float8 weights become int8 blocks with
+power-of-two scales (`int_blocks.float_blocks`: exact for all but a block's smallest values).
+The checkpoint's activation scales are not used: the kernels quantize activations to int8 per
+32 values at run time, as for GGUF files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
-from pagedllm.transformers_utils.int_blocks import BLOCK, encode_blocks, exact_float16
+from pagedllm.transformers_utils.int_blocks import BLOCK, Q8_0, encode_blocks, exact_float16, float_blocks
+from pagedllm.transformers_utils.quant_config import QuantFormat
 
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
 _AWQ_ORDER = np.argsort([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ's nibble i holds column 8c + [0,2,4,6,1,3,5,7][i]
-_PARTS = {
-    "gptq": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
-    "awq": ({"qweight", "qzeros", "scales"}, set()),
-    "compressed-tensors": ({"weight_packed", "weight_scale", "weight_shape"}, {"weight_g_idx", "weight_zero_point"}),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class QuantFormat:
-    """What a checkpoint's `quantization_config` says about its linears."""
-
-    method: str
-    bits: int
-    group_size: int  # -1: one group over all inputs
-    zero_offset: int = 0  # GPTQ's original format stores zero points minus one
-
-    @property
-    def parts(self) -> tuple[set[str], set[str]]:
-        return _PARTS[self.method]
-
-
-def read_quant_format(hf_config: Any) -> QuantFormat | None:
-    """The checkpoint's format from its config, None for a float checkpoint; a format or
-    variant pagedllm cannot run is a ValueError that names it."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "gptq":
-        fmt = QuantFormat("gptq", int(qc.get("bits", 4)), int(qc.get("group_size", 128)),
-                          0 if qc.get("checkpoint_format", "gptq") == "gptq_v2" else 1)
-    elif method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"AWQ version {version!r} is not supported (only the GEMM layout)")
-        if not qc.get("zero_point", True):
-            raise ValueError("AWQ without zero points is not supported")
-        fmt = QuantFormat("awq", int(qc.get("bits", qc.get("w_bit", 4))),
-                          int(qc.get("group_size", qc.get("q_group_size", 128))))
-    elif method == "compressed-tensors":
-        fmt = _compressed_tensors_format(qc)
-    else:
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; pagedllm reads "
-                         f"{', '.join(CHECKPOINT_METHODS)} checkpoints (and GGUF files)")
-    if fmt.bits not in (4, 8) or (fmt.method == "awq" and fmt.bits != 4):
-        widths = "4-bit" if fmt.method == "awq" else "4-bit and 8-bit"
-        raise ValueError(f"{fmt.method} with {fmt.bits}-bit weights is not supported ({widths} are)")
-    if fmt.group_size != -1 and (fmt.group_size <= 0 or fmt.group_size % BLOCK):
-        raise ValueError(f"{fmt.method} group size {fmt.group_size} is not supported: the kernels scale blocks of "
-                         f"{BLOCK} inputs (group sizes 32, 64, 128, ... or -1)")
-    return fmt
-
-
-def _compressed_tensors_format(qc: dict) -> QuantFormat:
-    fmt = qc.get("format")
-    if fmt != "pack-quantized":
-        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (pack-quantized weight-only is)")
-    schemes = list((qc.get("config_groups") or {}).values())
-    if len(schemes) != 1:
-        raise ValueError(f"compressed-tensors with {len(schemes)} config groups is not supported (one)")
-    scheme = schemes[0]
-    weights = scheme.get("weights") or {}
-    if scheme.get("input_activations"):
-        raise ValueError("compressed-tensors with quantized input activations is not supported (weight-only is)")
-    if weights.get("type", "int") != "int" or weights.get("strategy") not in ("group", "channel"):
-        raise ValueError(f"compressed-tensors weights of type {weights.get('type')!r} and strategy "
-                         f"{weights.get('strategy')!r} are not supported (int, group or channel)")
-    if not weights.get("symmetric", True):
-        raise ValueError("asymmetric compressed-tensors weights are not supported (symmetric are)")
-    group = int(weights.get("group_size") or -1) if weights["strategy"] == "group" else -1
-    return QuantFormat("compressed-tensors", int(weights.get("num_bits", 4)), group)
 
 
 class BlockTensor(CheckpointTensor):
     """A repacked linear weight offered to the layers as a GGUF file's native tensor is: rows of
     blocks (`block_rows`), cut by rows for column-parallel ranks (`rows`), or dequantized
-    (`load`) for a loader that wants floats. `input_perm`: the input order of its columns."""
+    (`load`) for a loader that wants floats. `input_perm`: the input order of its columns;
+    `out_scale`: float32 [rows], each output row's factor on top of its blocks' scales."""
 
-    __slots__ = ("name", "qtype", "blocks", "input_perm")
+    __slots__ = ("name", "qtype", "blocks", "input_perm", "out_scale")
     native = True
     quantized = True
 
-    def __init__(self, name: str, qtype: int, blocks: torch.Tensor, k: int, input_perm: torch.Tensor | None) -> None:
+    def __init__(self, name: str, qtype: int, blocks: torch.Tensor, k: int, input_perm: torch.Tensor | None,
+                 out_scale: torch.Tensor | None = None) -> None:
         self.name, self.qtype, self.blocks, self.input_perm = name, qtype, blocks, input_perm
+        self.out_scale = out_scale
         self.shape = torch.Size((blocks.shape[0], k))
         self.dtype = torch.float32
 
@@ -116,18 +52,23 @@ class BlockTensor(CheckpointTensor):
     def rows(self, start: int, length: int) -> BlockTensor:
         if not 0 <= start <= start + length <= self.shape[0]:
             raise IndexError(f"rows [{start}, {start + length}) of a tensor with {self.shape[0]}")
-        return BlockTensor(self.name, self.qtype, self.blocks[start : start + length], self.shape[1], self.input_perm)
+        scale = None if self.out_scale is None else self.out_scale[start : start + length]
+        return BlockTensor(self.name, self.qtype, self.blocks[start : start + length], self.shape[1], self.input_perm,
+                           scale)
 
     def load(self) -> torch.Tensor:
         import gguf
 
         from pagedllm.transformers_utils.gguf_weights import dequantize_rows
 
-        w = dequantize_rows(self.blocks.numpy(), gguf.GGMLQuantizationType(self.qtype).name, self.shape[1])
+        w = torch.from_numpy(dequantize_rows(self.blocks.numpy(), gguf.GGMLQuantizationType(self.qtype).name,
+                                             self.shape[1]))
+        if self.out_scale is not None:
+            w = w * self.out_scale[:, None]
         if self.input_perm is None:
-            return torch.from_numpy(w)
+            return w
         out = torch.empty(w.shape)
-        out[:, self.input_perm] = torch.from_numpy(w)
+        out[:, self.input_perm] = w
         return out
 
     def copy_to(self, target: torch.Tensor, dim: int = 0, start: int = 0) -> None:
@@ -160,6 +101,8 @@ def _group_of_inputs(k: int, group_size: int, g_idx: np.ndarray | None) -> np.nd
 
 def repack(fmt: QuantFormat, name: str, parts: dict[str, np.ndarray]) -> BlockTensor:
     """One module's packed tensors -> its weight as blocks (`name` + ".weight")."""
+    if fmt.storage != "packed":
+        return _repack_unpacked(fmt, name, parts)
     if fmt.method == "compressed-tensors":
         n, k = (int(d) for d in parts["weight_shape"])
         if "weight_zero_point" in parts:
@@ -194,12 +137,49 @@ def repack(fmt: QuantFormat, name: str, parts: dict[str, np.ndarray]) -> BlockTe
                        None if perm is None else torch.from_numpy(perm))
 
 
+_CHUNK_ROWS = 512  # rows repacked at once: bounds the float32 temporaries of a big weight
+
+
+def _repack_unpacked(fmt: QuantFormat, name: str, parts: dict[str, np.ndarray]) -> BlockTensor:
+    """An int8 or float8 (its bytes) `weight` [N, K] with its scale as Q8_0 blocks: a scale per
+    tensor or per output channel becomes a float32 factor on the outputs; per group of inputs
+    (int8 only) the blocks' float16 scales. Written a slice of rows at a time into the blocks."""
+    weight, scale = parts["weight"], parts["weight_scale"].astype(np.float32)
+    n, k = weight.shape
+    zero = parts.get("weight_zero_point")
+    if zero is not None and np.any(zero != 0):
+        raise ValueError(f"{name}: asymmetric weights (a nonzero weight_zero_point) are not supported")
+    if k % BLOCK:
+        raise ValueError(f"{name}: {k} inputs are not whole blocks of {BLOCK}")
+    out_scale, group_scales = None, None
+    if scale.size in (1, n):
+        out_scale = torch.from_numpy(np.broadcast_to(scale.reshape(-1), (n,)).copy())
+    elif fmt.storage == "int8" and scale.size % n == 0 and k % (scale.size // n) == 0 \
+            and (k // (scale.size // n)) % BLOCK == 0:
+        group = k // (scale.size // n)
+        group_scales = np.repeat(exact_float16(scale.reshape(n, -1), name), group // BLOCK, axis=1)
+    else:
+        raise ValueError(f"{name}: a weight_scale of shape {scale.shape} for a [{n}, {k}] weight is not supported "
+                         "(per tensor, per output channel, or for int8 per group of a multiple of 32 inputs)")
+    blocks = np.empty((n, k // BLOCK * (2 + BLOCK)), np.uint8)
+    for start in range(0, n, _CHUNK_ROWS):
+        rows = slice(start, min(start + _CHUNK_ROWS, n))
+        if fmt.storage == "float8":
+            values, block_scales, _ = float_blocks(torch.from_numpy(weight[rows]).view(torch.float8_e4m3fn)
+                                                   .float().numpy())
+        else:
+            values = weight[rows]
+            block_scales = group_scales[rows] if group_scales is not None else \
+                np.ones((values.shape[0], k // BLOCK), np.float16)
+        encode_blocks(values, block_scales, out=blocks[rows])
+    return BlockTensor(name + ".weight", Q8_0, torch.from_numpy(blocks), k, None, out_scale)
+
+
 def iterate_quantized(weights: Iterator[tuple[str, Any]], fmt: QuantFormat) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors with each quantized module's packed parts replaced by one
     `<module>.weight` BlockTensor. A module's parts are read as they come (they are adjacent in
     a file's sorted names) and repacked once the next module's tensors start."""
-    required, optional = fmt.parts
-    known = required | optional
+    required, _ = fmt.parts
     pending: dict[str, dict[str, np.ndarray]] = {}
 
     def ready(final: bool) -> Iterator[tuple[str, BlockTensor]]:
@@ -212,12 +192,14 @@ def iterate_quantized(weights: Iterator[tuple[str, Any]], fmt: QuantFormat) -> I
 
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
-        if part not in known:
+        if not fmt.is_part(part, tensor):
             yield from ready(final=False)
             yield name, tensor
             continue
         if prefix not in pending:
             yield from ready(final=False)
         value = tensor.load() if isinstance(tensor, CheckpointTensor) else tensor
+        if value.dtype == torch.float8_e4m3fn:  # kept as its bytes: 1/4 of float32's memory
+            value = value.view(torch.uint8)
         pending.setdefault(prefix, {})[part] = value.float().numpy() if value.is_floating_point() else value.numpy()
     yield from ready(final=True)

@@ -35,6 +35,7 @@ from pagedllm.forward_context import AttentionMetadata
 from pagedllm.model_executor.layers import cpu_kernels, gguf_ops
 from pagedllm.model_executor.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.model_executor.layers.attention import chunk_runs_as_decodes
+from pagedllm.model_executor.layers.gguf_linear import scale_rows
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.model_executor.models.blocks import GatedMLP
 from pagedllm.model_executor.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3Model
@@ -137,9 +138,13 @@ class DecodePlan:
                 if not seg.quantized:
                     raise Unsupported("a float GGUF segment")
                 cols = slice(seg.offset, seg.offset + seg.rows)
+                seg_bias = None if bias is None else bias[cols].contiguous()
+                scaled = seg.out_scale is not None
                 self.calls.append(gguf_ops.bind_gguf_linear(
-                    x, seg.qtype, seg.weight, linear.in_features, None if bias is None else bias[cols].contiguous(),
-                    out[:, cols], self.nthreads))
+                    x, seg.qtype, seg.weight, linear.in_features, None if scaled else seg_bias, out[:, cols],
+                    self.nthreads))
+                if scaled:
+                    self.calls.append(partial(scale_rows, out[:, cols], seg.out_scale, seg_bias))
             return
         quant = linear.quant
         if quant is None or quant.layout != "pagedllm" or quant.max_rows < self.rows:

@@ -120,3 +120,60 @@ def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool, v2: b
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
                 "num_bits": bits, "type": "int", "symmetric": True, "group_size": None if group == -1 else group,
                 "strategy": "channel" if group == -1 else "group"}}}}
+
+
+def write_8bit(src: Path, dst: Path, method: str, fmt: str = "", strategy: str = "channel", group: int = 64,
+               static: bool = False, scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """`src` quantized into an 8-bit checkpoint with weights in a plain `weight` tensor: an FP8
+    checkpoint (`method` "fp8": e4m3, one scale per tensor) or compressed-tensors `fmt`
+    "float-quantized" (e4m3) / "int-quantized" (int8 W8A8), per `strategy` (tensor, channel, or
+    group of `group` inputs for int8). `static`: with activation scales (input_scale). Returns
+    the dequantized state dict."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(src / "model.safetensors"))
+    out, ref = {}, {}
+    is_float = method == "fp8" or fmt == "float-quantized"
+    for name, tensor in state.items():
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in LINEARS):
+            out[name] = ref[name] = tensor
+            continue
+        w = tensor.float()
+        top = w.abs().amax() if method == "fp8" or strategy == "tensor" else \
+            w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else \
+            w.abs().view(w.shape[0], -1, group).amax(dim=-1)
+        qmax = 448.0 if is_float else 127.0
+        scale = (top / qmax).to(scale_dtype).float()
+        full = scale.repeat_interleave(group, dim=1) if strategy == "group" and not is_float else scale
+        if is_float:
+            q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            q = torch.round(w / full).clamp(-128, 127).to(torch.int8)
+        ref[name] = q.float() * full
+        out[name] = q
+        out[prefix + ".weight_scale"] = scale.to(scale_dtype).reshape(() if method == "fp8" else scale.shape)
+        if static:
+            out[prefix + ".input_scale"] = torch.tensor(0.05 if is_float else 0.01, dtype=torch.float32)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = config_8bit(method, fmt, strategy, group, static)
+    (dst / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return ref
+
+
+def config_8bit(method: str, fmt: str = "", strategy: str = "channel", group: int = 64, static: bool = False) -> dict:
+    if method == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                "ignored_layers": ["lm_head"]}
+    kind = "float" if fmt == "float-quantized" else "int"
+    acts = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": not static,
+            "strategy": "tensor" if static else "token"}
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
+                "num_bits": 8, "type": kind, "symmetric": True, "dynamic": False, "strategy": strategy,
+                "group_size": group if strategy == "group" else None}}}}

@@ -11,8 +11,9 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedllm.transformers_utils import int_blocks
-from pagedllm.transformers_utils.quantized_checkpoint import QuantFormat, iterate_quantized, read_quant_format
-from tests.transformers_utils.quant_writers import _config, write_quantized
+from pagedllm.transformers_utils.quant_config import QuantFormat, read_quant_format
+from pagedllm.transformers_utils.quantized_checkpoint import BlockTensor, iterate_quantized
+from tests.transformers_utils.quant_writers import _config, config_8bit, write_8bit, write_quantized
 
 
 def _layer_dir(tmp_path, n: int = 64, k: int = 256, seed: int = 0):
@@ -74,24 +75,6 @@ def test_encode_blocks_match_gguf_dequantize():
         np.testing.assert_array_equal(deq, values * np.repeat(scales.astype(np.float32), 32, axis=1))
 
 
-@pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "fp8"}, "'fp8' is not supported"),
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 16}, "group size 16"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}, "float-quantized"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False}}}},
-     "asymmetric"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "dynamic": True}}}}, "input activations"),
-])
-def test_unsupported_variants_are_named(qc, message):
-    with pytest.raises(ValueError, match=message):
-        read_quant_format(PretrainedConfig(quantization_config=qc))
-
-
 def test_asymmetric_8_bit_and_missing_parts_are_clear_errors():
     with pytest.raises(ValueError, match="asymmetric 8-bit"):
         int_blocks.block_type_for(-200, 100)
@@ -101,3 +84,59 @@ def test_asymmetric_8_bit_and_missing_parts_are_clear_errors():
         list(iterate_quantized(iter(parts), fmt))
     with pytest.raises(ValueError, match="not exact in float16"):
         int_blocks.exact_float16(np.array([1e-9], np.float32), "layer")
+
+
+CASES_8BIT = [
+    dict(method="fp8"),  # e4m3, one scale per tensor
+    dict(method="fp8", static=True),
+    dict(method="compressed-tensors", fmt="float-quantized", strategy="channel"),
+    dict(method="compressed-tensors", fmt="float-quantized", strategy="tensor", static=True),
+    dict(method="compressed-tensors", fmt="int-quantized", strategy="channel"),  # W8A8
+    dict(method="compressed-tensors", fmt="int-quantized", strategy="tensor", static=True),
+    dict(method="compressed-tensors", fmt="int-quantized", strategy="group", scale_dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES_8BIT, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_8bit_repack(tmp_path, case):
+    """int8 weights repack bit for bit. Float8 ones become int8 blocks with power-of-two scales:
+    every value within 2^3 of its block's largest is exact, smaller ones move by at most half a
+    step of their block, and the scales per tensor or channel stay float32 factors on the outputs."""
+    from safetensors import safe_open
+
+    src = _layer_dir(tmp_path)
+    ref = write_8bit(src, tmp_path / "q", **case)["model.layers.0.mlp.up_proj.weight"]
+    cfg = config_8bit(case["method"], case.get("fmt", ""), case.get("strategy", "channel"),
+                      static=case.get("static", False))
+    fmt = read_quant_format(PretrainedConfig(quantization_config=cfg))
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+    got = dict(iterate_quantized(iter(tensors), fmt))
+    assert set(got) == {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}  # input scales are used up
+    weight = got["model.layers.0.mlp.up_proj.weight"]
+    assert weight.qtype == int_blocks.Q8_0
+    assert (weight.out_scale is not None) == (case.get("strategy") != "group")
+    deq = weight.load()
+    if case.get("fmt") == "int-quantized":
+        torch.testing.assert_close(deq, ref, rtol=0, atol=0)
+        return
+    torch.testing.assert_close(deq, ref, rtol=0, atol=float(ref.abs().max()) / 120)  # half a step: max / 2^7
+    # The blocks against the checkpoint's e4m3 values, before the float32 factor
+    stored = dict(tensors)["model.layers.0.mlp.up_proj.weight"].float().view(64, -1, 32)
+    blocks = BlockTensor("w", weight.qtype, weight.blocks, 256, None).load().view(64, -1, 32)
+    step = torch.exp2(torch.floor(torch.log2(stored.abs().amax(dim=-1, keepdim=True))) - 6)
+    big = stored.abs() >= 8 * step
+    assert torch.equal(blocks[big], stored[big]) and big.float().mean() > 0.8
+    assert torch.all((blocks - stored).abs() <= step / 2)
+    torch.testing.assert_close(weight.out_scale * 448, ref.abs().amax(dim=1) if case.get("strategy") == "channel"
+                               else ref.abs().amax().expand(64), rtol=0.07, atol=0)
+
+
+def test_float_blocks_round_small_values_to_the_block_step():
+    values = np.zeros((1, 32), np.float32)
+    values[0, :4] = [448.0, -0.875, 3.25, 0.001953125]  # e4m3: 1.75 * 2^8, -1.75 * 2^-1, 1.625 * 2, 2^-9
+    q, d, inexact = int_blocks.float_blocks(values)
+    assert d[0, 0] == np.float16(4.0)  # 2^(8 - 6)
+    assert list(q[0, :4]) == [112, 0, 1, 0] and inexact == 3
+    q, d, inexact = int_blocks.float_blocks(np.full((2, 32), 2.0 ** -20, np.float32))
+    assert float(d[0, 0]) == 2.0 ** -24 and q[0, 0] == 16 and inexact == 0

@@ -1,6 +1,6 @@
 """The decode plans (decode_plan.py) against the module path they replay: the same tokens and
 bit-identical logprobs, alone and in batches of several rows (each row equal to its lone run),
-across a sliding window, in float32 and bf16, for int8 and int4 decoder linears, for each layer
+across a sliding window, in float32 and bf16, for int8, int4 and fp8 decoder linears, for each layer
 recipe (Gemma 3's; the pre-norm Llama layers of Llama and Qwen3, with its q/k norm); and where
 they do not apply (prefill, more rows than a plan takes, unquantized models, a layer that
 computes otherwise) the module path runs."""
@@ -60,7 +60,8 @@ def _run(llm: LLM, prompts, monkeypatch, plan: bool, max_tokens=20, chunks: list
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], runs
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4")])
+@pytest.mark.parametrize("dtype, quantization", [("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"),
+                                                 ("float32", "fp8")])
 def test_plan_is_bit_identical_to_the_module_path(gemma3_d32, dtype, quantization, monkeypatch):
     # No prefix caching: a prompt found in the cache computes its last tokens on another attention path.
     llm = LLM(gemma3_d32, dtype=dtype, quantization=quantization, kv_cache_memory=1 << 24, block_size=8,

@@ -35,12 +35,14 @@ from pagedllm.model_executor.layers.quantization import (
 class GGUFSegment:
     """Output rows [offset, offset + rows) of a weight: `weight` is uint8 [rows, bytes per row]
     of blocks of ggml type `qtype` (rows may be strided: a column slice), or for a float type a
-    float tensor [rows, in_features]."""
+    float tensor [rows, in_features]. `out_scale`: float32 [rows], a factor on each output row
+    (a per-channel or per-tensor scale of an int8 / FP8 checkpoint), or None."""
 
     offset: int
     qtype: int
     weight: torch.Tensor
     quantized: bool
+    out_scale: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -82,7 +84,8 @@ class GGUFLinear(nn.Module):
                 weight = weight[:, start // block * block_bytes : (start + length) // block * block_bytes]
         else:
             weight = tensor.load().narrow(1, start, length).to(self.dtype).contiguous()
-        self.segments.append(GGUFSegment(offset, tensor.qtype, weight, tensor.quantized))
+        self.segments.append(GGUFSegment(offset, tensor.qtype, weight, tensor.quantized,
+                                         getattr(tensor, "out_scale", None)))
         self.segments.sort(key=lambda s: s.offset)
         self._gaps = None
 
@@ -113,7 +116,10 @@ class GGUFLinear(nn.Module):
         for seg in self.segments:
             view = out[:, seg.offset : seg.offset + seg.rows]
             seg_bias = None if bias is None else bias[seg.offset : seg.offset + seg.rows]
-            if seg.quantized:
+            if seg.out_scale is not None:
+                gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, None, out=view)
+                scale_rows(view, seg.out_scale, seg_bias)
+            elif seg.quantized:
                 gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, seg_bias, out=view)
             else:
                 view.copy_(F.linear(x2, seg.weight.to(x2.dtype), None if seg_bias is None else seg_bias.to(x2.dtype)))
@@ -128,6 +134,8 @@ class GGUFLinear(nn.Module):
         if not seg.quantized:
             return F.embedding(ids, seg.weight)
         rows = gguf_ops.gguf_dequantize(seg.qtype, seg.weight, self.in_features, rows=flat, dtype=self.dtype)
+        if seg.out_scale is not None:
+            rows = rows * seg.out_scale[flat][:, None].to(rows.dtype)
         if self.input_perm is not None:  # the columns back in input order
             rows = torch.empty_like(rows).index_copy_(1, self.input_perm.to(rows.device), rows)
         return rows.view(*ids.shape, self.in_features)
@@ -135,6 +143,13 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = sorted({gguf.GGMLQuantizationType(s.qtype).name for s in self.segments})
         return f"in={self.in_features}, out={self.out_features}, types={','.join(kinds)}"
+
+
+def scale_rows(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out = out * scale (+ bias), in place; the float32 scale multiplies before any rounding to
+    out's dtype."""
+    out.mul_(scale)
+    return out if bias is None else out.add_(bias.to(out.dtype))
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -173,7 +188,8 @@ class GGUFRankedHead(nn.Module):
         loader caches them on disk: the 12B head's copies take ~7 s to make on 2 cores); None
         where the int4 kernels cannot take this head."""
         seg = blocks.segments[0] if len(blocks.segments) == 1 else None
-        if seg is None or not seg.quantized or seg.offset or seg.rows != blocks.out_features:
+        if seg is None or not seg.quantized or seg.offset or seg.rows != blocks.out_features or \
+                seg.out_scale is not None:
             return None
         group = int4_group_size(blocks.out_features, blocks.in_features)
         if cpu_kernels.kernels() is None or group is None:

@@ -61,6 +61,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
+FP8_E4M3_MAX = 448.0  # float8 e4m3fn's largest finite value
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float8 e4m3 with a scale per output row, w ≈ q * scale: (q [N, K] float8_e4m3fn,
+    scale [N] float32), as an FP8 checkpoint with per-channel scales holds a weight."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_E4M3_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric int4 per group of inputs in the kernel's convention, w ≈ (q - 8) * scale + zero
     with q in [0, 15]: (q [N, K] int32, scales_and_zeros [K / group, N, 2] bf16)."""

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.config import BLOCK_QUANTIZATION, CHECKPOINT_QUANTIZATION, ModelConfig, check_quantization
+from pagedllm.config import ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
-from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized, read_quant_format
+from pagedllm.transformers_utils.quant_config import read_quant_format
+from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized
 from pagedllm.transformers_utils.weight_utils import iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -45,18 +46,24 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedllm.model_executor.loader.quantize import restore_quantized
 
         restored = restore_quantized(model, model_config.quantization, cache)
-    native = model_config.quantization in BLOCK_QUANTIZATION
+    # A pre-quantized checkpoint's format (None for float weights and GGUF files)
+    fmt = read_quant_format(model_config.hf_config) if model_config.quantization else None
+    native = model_config.quantization == "gguf" or fmt is not None
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
         weights = iterate_weights(model_config.model_path, model_config.load_format, model_config.hf_config,
                                   gguf_native=native)
-        if model_config.quantization in CHECKPOINT_QUANTIZATION:
-            weights = iterate_quantized(weights, read_quant_format(model_config.hf_config))
+        if fmt is not None:
+            weights = iterate_quantized(weights, fmt)
         model.load_weights(weights)
     for param in model.parameters():
         param.__dict__.pop("preloaded", None)
-    if native:
+    if model_config.quantization == "fp8" and fmt is None:
+        from pagedllm.model_executor.loader.fp8 import quantize_fp8_linears
+
+        quantize_fp8_linears(model)
+    if native or model_config.quantization == "fp8":
         _finish_gguf(model, model_config)
     elif model_config.quantization and not restored:
         from pagedllm.model_executor.loader.quantize import quantize_model

@@ -41,8 +41,9 @@ def test_cli_flag_reaches_engine_args():
     assert engine_args_from_namespace(parser.parse_args([])).quantization is None
     assert engine_args_from_namespace(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
     assert engine_args_from_namespace(parser.parse_args(["--quantization", "none"])).quantization == "none"
+    assert engine_args_from_namespace(parser.parse_args(["-q", "fp8"])).quantization == "fp8"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "fp8"])
+        parser.parse_args(["--quantization", "fp4"])
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
