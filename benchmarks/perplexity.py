@@ -69,7 +69,7 @@ def llama_perplexity(binary: str, model: str, text_path: str, ctx: int, chunks: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="a .gguf file")
+    parser.add_argument("model", help="a .gguf file, or a checkpoint directory (llama-perplexity: .gguf only)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=32)
     parser.add_argument("--quantization", default=None, help="pagedllm's --quantization (default: the file's own)")

@@ -178,8 +178,8 @@ def test_chat_batch_in_order(llm):
 def test_default_model_chat_has_one_bos():
     from pagedllm import LLM
 
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=128 << 20)
-    params = SamplingParams(temperature=0, max_tokens=16)
+    llm = LLM(max_model_len=1024, kv_cache_memory=128 << 20)  # the file's own blocks: the quickest start
+    params = SamplingParams(temperature=0, max_tokens=8)
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)
     tok = llm.get_tokenizer()
     ids = out.prompt_token_ids

@@ -64,6 +64,7 @@ def test_each_level_builds_with_its_own_flags(level, fresh, monkeypatch, tmp_pat
     """An AVX2-only CPU, or PAGEDLLM_CPU_ISA capping an AVX-512 one: the kernels are built for
     that level, without a single AVX-512 flag (nor -march=native, which would bring them)."""
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", level)
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-O0")  # after -O3: the flags are tested, not the code's speed
     cc, log = _recording_cc(tmp_path)
     monkeypatch.setenv("CC", str(cc))
     if cpu_isa.detected() == "generic" and level == "avx2":
@@ -103,6 +104,7 @@ def test_background_build_then_kernels_compiles_once(fresh, monkeypatch, tmp_pat
     """The engine starts the build while the model converts; `kernels()`, called before that
     build is done, waits for it (a file lock) instead of compiling the library a second time."""
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "generic")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CFLAGS", "-O0")
     cc, log = _recording_cc(tmp_path)
     monkeypatch.setenv("CC", str(cc))
     cpu_kernels.build_in_background()

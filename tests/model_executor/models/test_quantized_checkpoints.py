@@ -109,13 +109,15 @@ def test_asking_for_another_method_is_an_error(float_model, tmp_path):
         LLM(str(float_model), quantization="gptq")
 
 
-def test_tp2_ranks_take_their_rows_and_columns_of_the_blocks(float_model, tmp_path, monkeypatch):
-    """Two ranks: column-parallel layers cut the blocks by rows, row-parallel ones by whole
-    blocks of inputs; the tokens are the one-rank reference's (float path, exact)."""
+@pytest.mark.parametrize("name", ["awq", "compressed-tensors-w8a8"])
+def test_tp2_ranks_take_their_rows_and_columns_of_the_blocks(float_model, tmp_path, monkeypatch, name):
+    """Two ranks: column-parallel layers cut the blocks (and a per-channel scale) by rows,
+    row-parallel ones by whole blocks of inputs; the tokens are the one-rank reference's (float
+    path, exact)."""
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")  # the worker processes read it
-    path, ref = quantized(float_model, tmp_path, CASES["awq"])
+    path, ref = quantized(float_model, tmp_path, CASES[name])
     llm = LLM(str(path), max_model_len=128, kv_cache_memory=1 << 24, tensor_parallel_size=2)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
