@@ -99,15 +99,22 @@ def write_quantized(src: Path, dst: Path, method: str, bits: int = 4, group: int
             out[prefix + ".weight_packed"] = torch.from_numpy(pack(q, bits, 1))
             out[prefix + ".weight_scale"] = torch.from_numpy(scales).to(torch.bfloat16)
             out[prefix + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+    _write_checkpoint(src, dst, out, _config(method, bits, group, sym, desc_act, v2))
+    return ref
+
+
+def _write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantization_config: dict) -> None:
+    """`tensors` as dst's model.safetensors, src's config with `quantization_config`, and src's
+    other files (tokenizer) copied."""
     dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _config(method, bits, group, sym, desc_act, v2)
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
     for f in src.iterdir():
         if f.name not in ("config.json", "model.safetensors") and f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
-    return ref
 
 
 def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool, v2: bool) -> dict:
@@ -155,14 +162,7 @@ def write_8bit(src: Path, dst: Path, method: str, fmt: str = "", strategy: str =
         out[prefix + ".weight_scale"] = scale.to(scale_dtype).reshape(() if method == "fp8" else scale.shape)
         if static:
             out[prefix + ".input_scale"] = torch.tensor(0.05 if is_float else 0.01, dtype=torch.float32)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = config_8bit(method, fmt, strategy, group, static)
-    (dst / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file():
-            (dst / f.name).write_bytes(f.read_bytes())
+    _write_checkpoint(src, dst, out, config_8bit(method, fmt, strategy, group, static))
     return ref
 
 

@@ -116,11 +116,12 @@ class GGUFLinear(nn.Module):
         for seg in self.segments:
             view = out[:, seg.offset : seg.offset + seg.rows]
             seg_bias = None if bias is None else bias[seg.offset : seg.offset + seg.rows]
-            if seg.out_scale is not None:
-                gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, None, out=view)
-                scale_rows(view, seg.out_scale, seg_bias)
-            elif seg.quantized:
-                gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, seg_bias, out=view)
+            if seg.quantized:  # a factor on the outputs comes before the bias
+                scaled = seg.out_scale is not None
+                gguf_ops.gguf_linear(x2, seg.qtype, seg.weight, self.in_features, None if scaled else seg_bias,
+                                     out=view)
+                if scaled:
+                    scale_rows(view, seg.out_scale, seg_bias)
             else:
                 view.copy_(F.linear(x2, seg.weight.to(x2.dtype), None if seg_bias is None else seg_bias.to(x2.dtype)))
         return out.view(*x.shape[:-1], self.out_features)
