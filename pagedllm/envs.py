@@ -141,6 +141,13 @@ def child_env(**overrides: str) -> dict[str, str]:
     return {**os.environ, **overrides}
 
 
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Make `environ` this process's environment: a process forked from a server that started
+    earlier (the workers' forkserver) takes its launcher's environment as of the launch."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def pagedllm_settings() -> dict[str, str]:
     """The PAGEDLLM_* variables that are set, as set (`pagedllm collect-env` shows them)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PAGEDLLM_")}

@@ -262,6 +262,15 @@ def ref_greedy(hf_model, prompt: list[int], n: int, transform) -> list[int]:
 
 # ---- `pagedllm serve` processes -------------------------------------------------------------------------------
 
+def worker_ranks(pid: int) -> list:
+    """The worker processes of the executors under process `pid`: the children of its (or its
+    engine core's) forkserver."""
+    import psutil
+
+    servers = [p for p in psutil.Process(pid).children(recursive=True) if "forkserver" in " ".join(p.cmdline())]
+    return [rank for server in servers for rank in server.children()]
+
+
 def free_port() -> int:
     import socket
 

@@ -1,4 +1,10 @@
-"""MultiprocExecutor: one spawned process per rank, each running a Worker (worker_proc.py).
+"""MultiprocExecutor: one process per rank, each running a Worker (worker_proc.py).
+
+The processes are forked from multiprocessing's forkserver, a clean interpreter that has
+imported torch, the worker and transformers' configuration machinery once (`WORKER_PRELOAD`)
+and has run nothing: a rank starts in a fraction of a second instead of paying those imports
+again, and torch's thread pools are never forked. The forkserver lives as long as this process,
+as multiprocessing's resource tracker does.
 
 Each call is encoded once, with msgspec (serial_utils.py), and the same frames go to every rank;
 the replies come back on one socket, tagged with the rank. While waiting, the executor watches its workers: a
@@ -20,13 +26,27 @@ from typing import Any
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError
 from pagedllm.executor.serial_utils import MessageCodec
 from pagedllm.executor.worker_proc import worker_main
 from pagedllm.worker.worker import num_cpus
 
 _POLL_MS = 100
+# What the forkserver imports before it forks a worker: what every rank needs before its first call
+# (transformers' config modules import its rope and validator helpers, which pull in torch.distributed.tensor).
+WORKER_PRELOAD = ["pagedllm.executor.worker_proc", "transformers.configuration_utils",
+                  "transformers.modeling_rope_utils", "transformers.utils.type_validators"]
 _SHUTDOWN_WAIT_S = 5.0
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its preload set (it takes effect when the server starts, at the
+    first worker). Not fork: this process runs threads (zmq, torch's pools) that a fork would
+    leave broken in the child."""
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(WORKER_PRELOAD)
+    return mp
 
 
 @dataclass
@@ -83,10 +103,12 @@ class MultiprocExecutor(DistributedExecutorBase):
             workers.broadcast.bind(broadcast_addr)
             # This machine's cores, shared by every rank of every data-parallel engine core.
             threads = max(1, num_cpus() // (world_size * self.config.parallel_config.data_parallel_size))
-            spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: torch does not survive fork
+            mp = worker_context()
+            environ = envs.child_env()
             for rank in range(world_size):
-                proc = spawn.Process(target=worker_main, args=(self.config, rank, broadcast_addr, reply_addr, threads),
-                                     name=f"PagedllmWorker-{rank}", daemon=True)
+                proc = mp.Process(target=worker_main,
+                                  args=(self.config, rank, broadcast_addr, reply_addr, threads, environ),
+                                  name=f"PagedllmWorker-{rank}", daemon=True)
                 proc.start()
                 workers.procs.append(proc)
             self._wait_for_subscribers()

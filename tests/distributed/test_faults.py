@@ -17,6 +17,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.abstract import WorkerDiedError
 from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
+from tests.utils import worker_ranks
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -25,10 +26,15 @@ def _worker_dirs(root: str | None = None) -> set[str]:
     return set(glob.glob(os.path.join(root or tempfile.gettempdir(), "pagedllm-workers-*")))
 
 
-def _ranks(server_pid: int) -> list[psutil.Process]:
-    """The worker processes under a server: its engine core's children that run a rank."""
-    procs = psutil.Process(server_pid).children(recursive=True)
-    return [p for p in procs if "spawn_main" in " ".join(p.cmdline())]
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    running = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return running
 
 
 def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, tmp_path_factory):
@@ -40,7 +46,7 @@ def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, 
     url = next(serving)
     try:
         descendants = psutil.Process(procs[0].pid).children(recursive=True)
-        ranks = _ranks(procs[0].pid)
+        ranks = worker_ranks(procs[0].pid)
         assert len(ranks) == 2
         assert _worker_dirs(tmp)  # the running server's, removed at shutdown (checked below)
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
@@ -61,8 +67,9 @@ def test_a_killed_rank_fails_the_server_and_shutdown_leaves_nothing(tiny_llama, 
         assert r.status_code == 503
     finally:
         next(serving, None)  # SIGTERM, wait
-    time.sleep(0.5)
-    assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # The workers' forkserver leaves once the engine core and the last rank are gone.
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not _running(alive)
     assert not _worker_dirs(tmp)
 
 

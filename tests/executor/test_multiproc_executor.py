@@ -15,6 +15,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.abstract import WorkerDiedError
 from pagedllm.executor.multiproc_executor import MultiprocExecutor
+from tests.utils import worker_ranks
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -114,8 +115,7 @@ def test_async_llm_with_a_worker_process(tiny_llama):
         final = asyncio.run(run(PROMPTS[0], "a"))
         assert final.outputs[0].token_ids == _tokens(_llm(tiny_llama, "uni"))[0]
         core = psutil.Process(engine.client.proc.pid)
-        # The core's children: the worker, and multiprocessing's resource tracker.
-        workers = [p for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        workers = worker_ranks(core.pid)
         assert len(workers) == 1
         workers[0].kill()
         with pytest.raises(EngineDeadError):
