@@ -209,20 +209,25 @@ class MedusaConfig:
 class SpeculativeConfig:
     """Draft tokens proposed each step and verified by the target in one forward pass."""
 
-    method: str  # "ngram", "draft_model" or "medusa"
+    method: str  # "ngram", "draft_model", "medusa" or "eagle"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int = 0  # ngram: longest
-    model: str | None = None  # draft_model / medusa: the draft model's or heads' name or path, as given
+    model: str | None = None  # draft_model / medusa / eagle: the draft model's or head's name or path, as given
     draft_model_config: ModelConfig | None = None  # draft_model only
-    heads_path: str | None = None  # medusa: the heads' resolved directory
+    heads_path: str | None = None  # medusa / eagle: the head's resolved directory
     medusa_config: MedusaConfig | None = None  # medusa only
+    eagle_config: Any = None  # eagle only: the head's transformers config (its decoder layers' shape)
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots a request needs past its scheduled tokens: the draft model writes its own
-        K/V for the tokens it proposes, in the request's blocks."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots a request needs past its scheduled tokens: a draft model or an EAGLE head
+        writes its own K/V for the tokens it proposes, in the request's blocks."""
+        return self.num_speculative_tokens if self.method in KV_DRAFTERS else 0
+
+
+KV_DRAFTERS = ("draft_model", "eagle")  # the drafters with layers of their own in the paged KV cache
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -265,7 +270,8 @@ def build_parallel_config(tp: int, pp: int, dp: int, backend: str | None) -> Par
 
 
 def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: bool) -> None:
-    """That every stage gets a layer, and no draft model (it would need stages of its own)."""
+    """That every stage gets a layer, and no draft model or EAGLE head (`draft_model`: it would
+    need stages of its own)."""
     if pp == 1:
         return
     if model_config.architecture in POOLING_ARCHITECTURES:
@@ -275,7 +281,8 @@ def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: boo
     if layers < pp:
         raise ValueError(f"pipeline_parallel_size={pp} is more than the {layers} layers of {model_config.model}")
     if draft_model:
-        raise ValueError("a draft model (speculative decoding) needs pipeline_parallel_size=1; ngram works")
+        raise ValueError("a draft model or an EAGLE head (speculative decoding) needs pipeline_parallel_size=1; "
+                         "ngram works")
 
 
 def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
@@ -526,8 +533,9 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
     method = spec.get("method") or ("draft_model" if spec.get("model") else None)
     if method in ("[ngram]", "ngram") or spec.get("model") == "[ngram]":
         method = "ngram"
-    if method not in ("ngram", "draft_model", "medusa"):
-        raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or 'medusa', got {method!r}")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
+                         f"got {method!r}")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -542,7 +550,7 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
         config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
         return config
     if not spec.get("model"):
-        what = "the draft model" if method == "draft_model" else "the Medusa heads"
+        what = {"draft_model": "the draft model", "medusa": "the Medusa heads", "eagle": "the EAGLE head"}[method]
         raise ValueError(f"speculative_config: method {method!r} needs 'model' (a path to {what})")
     config.model = spec["model"]
     return config

@@ -15,6 +15,7 @@ from typing import Any
 from pagedllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    KV_DRAFTERS,
     POOLING_ARCHITECTURES,
     QUANTIZATION_CHOICES,
     CacheConfig,
@@ -40,6 +41,7 @@ from pagedllm.config import (
     resolve_device,
 )
 from pagedllm.model_executor.models.registry import ModelRegistry
+from pagedllm.spec_decode.eagle import eagle_config
 from pagedllm.spec_decode.medusa import medusa_config
 from pagedllm.structured_output.reasoner import THINK_TAGS
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
@@ -126,7 +128,7 @@ class EngineArgs:
     speculative_config: dict | str | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
               '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or '
-              '\'{"method": "medusa", "model": HEADS_PATH, "num_speculative_tokens": 3}\'')
+              '\'{"method": "medusa" | "eagle", "model": HEAD_PATH, "num_speculative_tokens": 3}\'')
     reasoning_parser: str | None = _arg(None, "the model thinks first, in <think> tags: the server returns that as "
                                               "reasoning_content, and structured outputs constrain only the answer "
                                               "after it", choices=tuple(sorted(THINK_TAGS)))
@@ -294,12 +296,13 @@ class EngineArgs:
                 self.quantization,
             )
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
-        if speculative_config is not None and speculative_config.method == "medusa":
+        if speculative_config is not None and speculative_config.method in ("medusa", "eagle"):
             speculative_config.heads_path = resolve_model_path(speculative_config.model)
-            speculative_config.medusa_config = medusa_config(speculative_config, speculative_config.heads_path,
-                                                             model_config)
+            read_head = medusa_config if speculative_config.method == "medusa" else eagle_config
+            setattr(speculative_config, f"{speculative_config.method}_config",
+                    read_head(speculative_config, speculative_config.heads_path, model_config))
         check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
-                                speculative_config is not None and speculative_config.method == "draft_model")
+                                speculative_config is not None and speculative_config.method in KV_DRAFTERS)
         if self.async_scheduling:
             check_async_scheduling(parallel_config, speculative_config is not None)
         lora_config = None

@@ -43,6 +43,13 @@ class MetadataBuilder(Protocol):
 InputBuilder = Callable[[Sequence[Sequence[int]], Sequence[int], Sequence[Sequence[int]], int, torch.device], Any]
 
 
+def draft_budget(k: int, num_slots: int, seq_len: int, max_model_len: int) -> int:
+    """Drafts a request of `seq_len` tokens (the new one included) can take: at most k, within the
+    `num_slots` its block table holds (the drafter writes K/V up to the next-to-last draft's
+    position) and below max_model_len."""
+    return max(0, min(k, num_slots - seq_len + 1, max_model_len - seq_len))
+
+
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator,
                  prepare_inputs: InputBuilder) -> None:
@@ -82,7 +89,7 @@ class DraftModelProposer:
         # How many drafts each request can take: its block table's lookahead slots, max_model_len.
         rows = [i for i, new in enumerate(new_tokens) if new is not None]
         seq_lens = [int(step.starts[i] + step.query_lens[i]) for i in rows]  # T: tokens incl. the new one
-        budget = [max(0, min(self.k, len(reqs[i].block_ids) * self.block_size - t + 1, self.max_model_len - t))
+        budget = [draft_budget(self.k, len(reqs[i].block_ids) * self.block_size, t, self.max_model_len)
                   for i, t in zip(rows, seq_lens)]
         keep = [j for j, b in enumerate(budget) if b > 0]
         rows, seq_lens, budget = [rows[j] for j in keep], [seq_lens[j] for j in keep], [budget[j] for j in keep]

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.config import MedusaConfig, ModelConfig, SpeculativeConfig
 from pagedllm.model_executor.layers.sampler import greedy_argmax
+from pagedllm.spec_decode.head_files import load_head_tensors
 
 _FILES = ("model.safetensors", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -65,21 +66,7 @@ def medusa_config(spec: SpeculativeConfig, path: str, target: ModelConfig) -> Me
 
 def _load_tensors(path: str) -> dict[str, torch.Tensor]:
     """The heads' tensors under vLLM's names."""
-    for name in _FILES:
-        file = os.path.join(path, name)
-        if os.path.exists(file):
-            break
-    else:
-        raise ValueError(f"medusa heads at {path!r}: none of {', '.join(_FILES)} found")
-    try:
-        if file.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            tensors = load_file(file)
-        else:
-            tensors = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or foreign file: say which, not the reader's internals
-        raise ValueError(f"medusa heads: {file!r} cannot be read ({type(e).__name__}: {e})") from None
+    tensors = load_head_tensors(path, _FILES, "medusa heads")
     out = {}
     for key, value in tensors.items():
         key = key.removeprefix("medusa_head.")

@@ -32,6 +32,7 @@ from pagedllm.model_executor.layers.triton_ops import use_triton_attention
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.model_executor.models.utils import IntermediateTensors
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.eagle import EagleProposer
 from pagedllm.spec_decode.medusa import MedusaProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
@@ -91,19 +92,22 @@ class ModelRunner:
                                                                          False) else None
         self.mm_prefix_lm = config.model_config.is_mm_prefix_lm  # image tokens attend both ways (Gemma 3)
         spec = config.speculative_config
-        self.ngram = self.drafter = self.medusa = None
+        self.ngram = self.drafter = self.medusa = self.eagle = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None and spec.method == "medusa":
             self.medusa = MedusaProposer(spec.heads_path, spec.medusa_config, spec.num_speculative_tokens,
                                          config.model_config.dtype, self.device)
+        elif spec is not None and spec.method == "eagle":
+            self.eagle = EagleProposer(config, self.model, self.device, prepare_inputs)
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
 
     # ---- KV cache ---------------------------------------------------------
     def _kv_layers(self) -> list[Attention]:
-        """The target's attention layers, then the draft model's (same blocks, own tensors)."""
-        return self.attn_layers + (self.drafter.attn_layers if self.drafter is not None else [])
+        """The target's attention layers, then the draft model's or EAGLE head's (same blocks, own tensors)."""
+        kv_drafter = self.drafter or self.eagle
+        return self.attn_layers + (kv_drafter.attn_layers if kv_drafter is not None else [])
 
     def bytes_per_block(self, cache_dtype: str | None = None) -> int:
         """Bytes of one block in every layer, at the configured KV cache dtype (or `cache_dtype`)."""
@@ -353,6 +357,8 @@ class ModelRunner:
             out.spec_token_ids = self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata)
         elif self.medusa is not None:
             out.spec_token_ids = self._medusa_drafts(reqs, hidden, cu_end, out.sampled_token_ids)
+        elif self.eagle is not None and reqs:
+            out.spec_token_ids = self.eagle.propose(reqs, out.sampled_token_ids, hidden, cu_end)
         return out
 
     def _medusa_drafts(self, reqs: list[StepRow], hidden: torch.Tensor, cu_end: np.ndarray,

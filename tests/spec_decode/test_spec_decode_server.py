@@ -1,4 +1,4 @@
-"""`pagedllm serve --speculative-config ...` (n-gram and Medusa heads): the same greedy text as
+"""`pagedllm serve --speculative-config ...` (n-gram, Medusa and EAGLE heads): the same greedy text as
 offline without speculation, streamed text equal to non-streamed, draft counters on /metrics, a
 bad config refused at start."""
 
@@ -14,28 +14,39 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, read_metrics, serve_tiny
+from tests.spec_decode.test_eagle import _constant_head
 from tests.spec_decode.test_medusa import _identity_heads
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
 
-@pytest.fixture(scope="module", params=["ngram", "medusa"])
+EAGLE_TOKEN = 77  # the EAGLE head always drafts it; the requests' logit_bias makes the target say it
+
+
+@pytest.fixture(scope="module", params=["ngram", "medusa", "eagle"])
 def spec_server(request, tiny_llama, tmp_path_factory):
-    spec = NGRAM
+    """The server's URL and the logit bias its requests carry."""
+    spec, bias = NGRAM, {}
     if request.param == "medusa":
         heads = _identity_heads(tiny_llama, str(tmp_path_factory.mktemp("medusa")))
         spec = json.dumps({"method": "medusa", "model": heads, "num_speculative_tokens": 3})
-    yield from serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", spec))
+    if request.param == "eagle":
+        head = _constant_head(tiny_llama, str(tmp_path_factory.mktemp("eagle")), EAGLE_TOKEN)
+        spec, bias = json.dumps({"method": "eagle", "model": head, "num_speculative_tokens": 3}), {EAGLE_TOKEN: 100.0}
+    for url in serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", spec)):
+        yield url, bias
 
 
 def test_served_speculation_matches_offline_greedy(spec_server, tiny_llama):
+    spec_server, bias = spec_server
     client = openai.OpenAI(base_url=f"{spec_server}/v1", api_key=API_KEY, max_retries=0)
-    params = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    params = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, logprobs=1, extra_body={"ignore_eos": True},
+                  logit_bias={str(t): b for t, b in bias.items()})
     full = client.completions.create(**params)
     offline = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24).generate(
-        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
-    )[0].outputs[0]
+        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias=bias),
+        use_tqdm=False)[0].outputs[0]
     assert full.choices[0].text == offline.text
     assert len(full.choices[0].logprobs.tokens) == 32 and full.usage.completion_tokens == 32
     streamed = "".join(c.choices[0].text for c in client.completions.create(**params, stream=True) if c.choices)

@@ -1,0 +1,168 @@
+"""EAGLE drafts: a decoder layer that predicts the target's next hidden state from the current
+one and the token sampled from it; the target's LM head turns the prediction into a draft.
+
+The head loads in the Hub's EAGLE layout (`yuhuili/EAGLE-LLaMA3-Instruct-8B`): `config.json` a
+Llama config (usually one layer), and `pytorch_model.bin` or `model.safetensors` with `fc.weight`
+[H, 2H] (and `fc.bias` where trained with one), `layers.{i}.*` (layer 0 without
+`input_layernorm`), no final norm, and `embed_tokens.weight` only where the head has its own
+(else it uses the target's).
+
+Its row at position p is fc([embed(token p+1); target hidden p]) through the layers, and its
+logits guess token p+2. Each step it first catches up on the positions the target just verified,
+fed with the target's hidden rows of that same step (no second pass over the prompt), then chains
+k - 1 more drafts from its own outputs. Its layers keep K/V in the paged cache at the target's
+block ids, as a draft model's do; positions that held rejected drafts are computed again at the
+next catch-up. Drafts are the argmax (a point mass), so verification is lossless for every request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.config import EngineConfig, ModelConfig, SpeculativeConfig
+from pagedllm.forward_context import set_forward_context
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
+from pagedllm.model_executor.layers.sampler import greedy_argmax
+from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
+from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.spec_decode.draft_model import InputBuilder, draft_budget
+from pagedllm.spec_decode.head_files import load_head_tensors
+
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def eagle_config(spec: SpeculativeConfig, path: str, target: ModelConfig) -> Any:
+    """The head's transformers config, checked against the target."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"EAGLE head at {path!r}: no readable config.json ({e})") from None
+    if config.model_type != "llama":
+        raise ValueError(f"EAGLE head at {path!r}: model_type {config.model_type!r}; the EAGLE layout loaded here "
+                         "is Llama decoder layers (model_type 'llama')")
+    text = target.text_config
+    if (config.hidden_size, config.vocab_size) != (text.hidden_size, text.vocab_size):
+        raise ValueError(f"EAGLE head at {path!r} takes hidden size {config.hidden_size} and vocabulary "
+                         f"{config.vocab_size}; the target has {text.hidden_size} and {text.vocab_size}")
+    return config
+
+
+class EagleHead(nn.Module):
+    """fc over [embedding; hidden], then the decoder layers; returns the predicted hidden state."""
+
+    packed_modules_mapping = PACKED_MODULES
+    tied_weight_names = ("embed_tokens.weight", "lm_head.weight")  # an LM head in the file is the target's: skipped
+
+    def __init__(self, config: Any, own_embedding: bool, fc_bias: bool, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h) if own_embedding else None
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        inv_freq, scaling = compute_inv_freq(config, head_dim_of(config), max_model_len=max_model_len)
+        rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary, False, False)
+                                    for i in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # fc's output goes straight into attention
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat((embeds, hidden.to(embeds.dtype)), dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x)
+        return x
+
+
+def _expected_tensors(config: Any) -> list[str]:
+    names = ["fc.weight"]
+    for i in range(config.num_hidden_layers):
+        parts = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+        parts += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        parts += ["post_attention_layernorm.weight"] + (["input_layernorm.weight"] if i else [])
+        names += [f"layers.{i}.{part}" for part in parts]
+    return names
+
+
+def load_eagle_head(path: str, config: Any, dtype: torch.dtype, device: torch.device,
+                    max_model_len: int) -> EagleHead:
+    tensors = load_head_tensors(path, EAGLE_FILES, "EAGLE head")
+    missing = sorted(set(_expected_tensors(config)) - set(tensors))
+    if missing:  # a packed parameter (q/k/v, gate/up) with one part absent would otherwise pass
+        raise ValueError(f"EAGLE head at {path!r}: missing tensors {missing[:4]}")
+    head = EagleHead(config, "embed_tokens.weight" in tensors, "fc.bias" in tensors, max_model_len)
+    head.to(dtype=dtype, device=device)
+    try:
+        load_weights(head, tensors.items())
+    except ValueError as e:
+        raise ValueError(f"EAGLE head at {path!r}: {e}") from None
+    return head.eval()
+
+
+class EagleProposer:
+    def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device,
+                 prepare_inputs: InputBuilder) -> None:
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.device = device
+        self.prepare_inputs = prepare_inputs
+        self.target = target
+        self.head = load_eagle_head(spec.heads_path, spec.eagle_config, config.model_config.dtype, device,
+                                    self.max_model_len)
+        self.embed = self.head.embed_tokens or target.model.embed_tokens
+        self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
+
+    def _run(self, step: Any, hidden: torch.Tensor) -> torch.Tensor:
+        with set_forward_context(step.attn_metadata):
+            return self.head(self.embed(step.input_ids), hidden, step.positions)
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Any], new_tokens: list[list[int] | None], hidden: torch.Tensor,
+                cu_end: np.ndarray) -> list[list[int] | None]:
+        """Drafts for the requests that sampled (`new_tokens[i]`: the tokens step i emitted, its
+        accepted drafts then the bonus token), from the target's `hidden` rows of this step."""
+        # 1. Catch up: each position the target computed and kept, with the token that follows it.
+        tokens, rows = [], []
+        for r, new, end in zip(reqs, new_tokens, cu_end):
+            first = int(end) - r.num_scheduled
+            if new is None:  # a prompt chunk: the next token is the prompt's own
+                tokens.append(r.state.token_slice(r.start_pos + 1, r.end + 1))
+            else:
+                tokens.append(r.state.token_slice(r.start_pos + 1, r.end) + list(new))
+            rows.append(np.arange(first, first + len(tokens[-1])))
+        step = self.prepare_inputs(tokens, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
+                                   self.block_size, self.device)
+        out = self._run(step, hidden[torch.from_numpy(np.concatenate(rows)).to(self.device)])
+
+        # 2. Chain: draft j + 1 from the row fed with draft j at the next position.
+        due = [i for i, new in enumerate(new_tokens) if new is not None]
+        seq_lens = [reqs[i].end + len(new_tokens[i]) for i in due]  # known tokens incl. the bonus
+        budget = [draft_budget(self.k, len(reqs[i].block_ids) * self.block_size, t, self.max_model_len)
+                  for i, t in zip(due, seq_lens)]
+        proposals: list[list[int] | None] = [None] * len(reqs)
+        live = [a for a, b in enumerate(budget) if b > 0]  # indices into `due`
+        if not live:
+            return proposals
+        feats = out[torch.from_numpy(step.cu_end[[due[a] for a in live]] - 1).to(self.device)]
+        drafts: dict[int, list[int]] = {a: [] for a in live}
+        for j in range(max(budget)):
+            for a, tok in zip(live, greedy_argmax(self.target.compute_logits(feats)).tolist()):
+                drafts[a].append(tok)
+            keep = [n for n, a in enumerate(live) if len(drafts[a]) < budget[a]]
+            if not keep:
+                break
+            live = [live[n] for n in keep]
+            step = self.prepare_inputs([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j for a in live],
+                                       [reqs[due[a]].block_ids for a in live], self.block_size, self.device)
+            feats = self._run(step, feats[torch.tensor(keep, device=self.device)])
+        for a, d in drafts.items():
+            proposals[due[a]] = d
+        return proposals
