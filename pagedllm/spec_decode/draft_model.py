@@ -43,24 +43,30 @@ class MetadataBuilder(Protocol):
 InputBuilder = Callable[[Sequence[Sequence[int]], Sequence[int], Sequence[Sequence[int]], int, torch.device], Any]
 
 
-def draft_budget(k: int, num_slots: int, seq_len: int, max_model_len: int) -> int:
-    """Drafts a request of `seq_len` tokens (the new one included) can take: at most k, within the
-    `num_slots` its block table holds (the drafter writes K/V up to the next-to-last draft's
-    position) and below max_model_len."""
-    return max(0, min(k, num_slots - seq_len + 1, max_model_len - seq_len))
+class KVDrafter:
+    """What the drafters with layers in the paged KV cache share: the number of drafts, the
+    cache's geometry and the runner's step-input builder."""
 
-
-class DraftModelProposer:
-    def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator,
-                 prepare_inputs: InputBuilder) -> None:
-        spec = config.speculative_config
-        self.k = spec.num_speculative_tokens
+    def __init__(self, config: EngineConfig, device: torch.device, prepare_inputs: InputBuilder) -> None:
+        self.k = config.speculative_config.num_speculative_tokens
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.scheduler_config.max_model_len
         self.device = device
-        self.generator = generator  # for unseeded random requests
         self.prepare_inputs = prepare_inputs
-        self.model = get_model(spec.draft_model_config, device)
+
+    def budget(self, num_blocks: int, seq_len: int) -> int:
+        """Drafts a request of `seq_len` tokens (the new one included) can take: at most k, within
+        the slots of its `num_blocks` blocks (the drafter writes K/V up to the next-to-last
+        draft's position) and below max_model_len."""
+        return max(0, min(self.k, num_blocks * self.block_size - seq_len + 1, self.max_model_len - seq_len))
+
+
+class DraftModelProposer(KVDrafter):
+    def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator,
+                 prepare_inputs: InputBuilder) -> None:
+        super().__init__(config, device, prepare_inputs)
+        self.generator = generator  # for unseeded random requests
+        self.model = get_model(config.speculative_config.draft_model_config, device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # req_id → q ([num drafts, V] float32) of the last sampled proposal; greedy requests have none.
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -89,8 +95,7 @@ class DraftModelProposer:
         # How many drafts each request can take: its block table's lookahead slots, max_model_len.
         rows = [i for i, new in enumerate(new_tokens) if new is not None]
         seq_lens = [int(step.starts[i] + step.query_lens[i]) for i in rows]  # T: tokens incl. the new one
-        budget = [draft_budget(self.k, len(reqs[i].block_ids) * self.block_size, t, self.max_model_len)
-                  for i, t in zip(rows, seq_lens)]
+        budget = [self.budget(len(reqs[i].block_ids), t) for i, t in zip(rows, seq_lens)]
         keep = [j for j, b in enumerate(budget) if b > 0]
         rows, seq_lens, budget = [rows[j] for j in keep], [seq_lens[j] for j in keep], [budget[j] for j in keep]
         proposals: list[list[int] | None] = [None] * len(reqs)

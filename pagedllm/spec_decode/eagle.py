@@ -31,7 +31,7 @@ from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
 from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
-from pagedllm.spec_decode.draft_model import InputBuilder, draft_budget
+from pagedllm.spec_decode.draft_model import InputBuilder, KVDrafter
 from pagedllm.spec_decode.head_files import load_head_tensors
 
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -105,15 +105,11 @@ def load_eagle_head(path: str, config: Any, dtype: torch.dtype, device: torch.de
     return head.eval()
 
 
-class EagleProposer:
+class EagleProposer(KVDrafter):
     def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device,
                  prepare_inputs: InputBuilder) -> None:
+        super().__init__(config, device, prepare_inputs)
         spec = config.speculative_config
-        self.k = spec.num_speculative_tokens
-        self.block_size = config.cache_config.block_size
-        self.max_model_len = config.scheduler_config.max_model_len
-        self.device = device
-        self.prepare_inputs = prepare_inputs
         self.target = target
         self.head = load_eagle_head(spec.heads_path, spec.eagle_config, config.model_config.dtype, device,
                                     self.max_model_len)
@@ -145,8 +141,7 @@ class EagleProposer:
         # 2. Chain: draft j + 1 from the row fed with draft j at the next position.
         due = [i for i, new in enumerate(new_tokens) if new is not None]
         seq_lens = [reqs[i].end + len(new_tokens[i]) for i in due]  # known tokens incl. the bonus
-        budget = [draft_budget(self.k, len(reqs[i].block_ids) * self.block_size, t, self.max_model_len)
-                  for i, t in zip(due, seq_lens)]
+        budget = [self.budget(len(reqs[i].block_ids), t) for i, t in zip(due, seq_lens)]
         proposals: list[list[int] | None] = [None] * len(reqs)
         live = [a for a, b in enumerate(budget) if b > 0]  # indices into `due`
         if not live:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals
+from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals, _second_and_third_counts
 from tests.utils import make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [30, 31, 32, 33, 30, 31], list(range(40, 70)), [12, 13, 12, 13, 12]]
@@ -205,13 +205,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tmp_path):
     llm = _engine(tiny_llama, head, k=2)
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(1500)]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    counts2: dict[int, int] = {}
-    counts3: dict[int, int] = {}
-    for o in outs:
-        ids = o.outputs[0].token_ids
-        counts2[ids[1]] = counts2.get(ids[1], 0) + 1
-        counts3[ids[2]] = counts3.get(ids[2], 0) + 1
+    counts2, counts3 = _second_and_third_counts(llm, prompt, params)
     assert 0.05 < llm.get_metrics()["pagedllm:spec_decode_acceptance_rate"] < 0.95
     assert _chi_square_pvalue(counts2, second) > 1e-3
     assert _chi_square_pvalue(counts3, third) > 1e-3

@@ -174,6 +174,18 @@ def _chi_square_pvalue(counts: dict[int, int], probs: dict[int, float]) -> float
     return chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue
 
 
+def _second_and_third_counts(llm: LLM, prompt: list[int], params: list[SamplingParams]
+                             ) -> tuple[dict[int, int], dict[int, int]]:
+    """How often each token came out 2nd and 3rd, over one request per params."""
+    counts2: dict[int, int] = {}
+    counts3: dict[int, int] = {}
+    for o in llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False):
+        ids = o.outputs[0].token_ids
+        counts2[ids[1]] = counts2.get(ids[1], 0) + 1
+        counts3[ids[2]] = counts3.get(ids[2], 0) + 1
+    return counts2, counts3
+
+
 def test_sampled_tokens_follow_the_target_distribution(tiny_llama, drafts):
     """2000 seeded draws with a truncated-copy draft (related but different): the 2nd and 3rd
     output tokens (the first ones that go through verification) match the target's marginals."""
@@ -184,13 +196,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, drafts):
                                "num_speculative_tokens": 2})
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(2000)]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    counts2: dict[int, int] = {}
-    counts3: dict[int, int] = {}
-    for o in outs:
-        ids = o.outputs[0].token_ids
-        counts2[ids[1]] = counts2.get(ids[1], 0) + 1
-        counts3[ids[2]] = counts3.get(ids[2], 0) + 1
+    counts2, counts3 = _second_and_third_counts(llm, prompt, params)
     m = llm.get_metrics()
     assert 0.05 < m["pagedllm:spec_decode_acceptance_rate"] < 0.99  # both paths (accept, resample) ran
     assert _chi_square_pvalue(counts2, second) > 1e-3
