@@ -4,6 +4,7 @@ adapters of different ranks and targets mixed in one batch with base-model reque
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -13,7 +14,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.lora_request import LoRARequest
 from tests.utils import assert_greedy_match, assert_idle, make_tiny_model
 
-peft = pytest.importorskip("peft")
+# peft is imported where an adapter is made: it pulls in much of transformers, which only the
+# worker that runs these tests should pay for at collection.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the test extra)")
 
 ADAPTERS = {  # name → (rank, alpha, targets, rsLoRA)
     "attn8": (8, 16, ["q_proj", "v_proj"], False),

@@ -16,11 +16,8 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, serve_tiny
+from tests.lora.test_lora_peft import make_adapter, peft_greedy, pytestmark  # noqa: F401  (needs peft)
 from tests.utils import assert_greedy_match, free_port
-
-peft = pytest.importorskip("peft")
-
-from tests.lora.test_lora_peft import make_adapter, peft_greedy  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello, my name is", "Paged attention stores keys"]
 MAX_TOKENS = 8
