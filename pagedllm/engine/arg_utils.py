@@ -298,9 +298,12 @@ class EngineArgs:
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
         if speculative_config is not None and speculative_config.method in ("medusa", "eagle"):
             speculative_config.heads_path = resolve_model_path(speculative_config.model)
-            read_head = medusa_config if speculative_config.method == "medusa" else eagle_config
-            setattr(speculative_config, f"{speculative_config.method}_config",
-                    read_head(speculative_config, speculative_config.heads_path, model_config))
+            if speculative_config.method == "medusa":
+                speculative_config.medusa_config = medusa_config(speculative_config, speculative_config.heads_path,
+                                                                 model_config)
+            else:
+                speculative_config.eagle_config = eagle_config(speculative_config, speculative_config.heads_path,
+                                                               model_config)
         check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size,
                                 speculative_config is not None and speculative_config.method in KV_DRAFTERS)
         if self.async_scheduling:

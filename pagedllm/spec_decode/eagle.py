@@ -113,7 +113,10 @@ class EagleProposer(KVDrafter):
         self.target = target
         self.head = load_eagle_head(spec.heads_path, spec.eagle_config, config.model_config.dtype, device,
                                     self.max_model_len)
-        self.embed = self.head.embed_tokens or target.model.embed_tokens
+        self.embed = self.head.embed_tokens or getattr(getattr(target, "model", None), "embed_tokens", None)
+        if self.embed is None:
+            raise ValueError(f"the EAGLE head at {spec.heads_path!r} has no embed_tokens.weight and the target "
+                             f"({type(target).__name__}) has no model.embed_tokens to share")
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
 
     def _run(self, step: Any, hidden: torch.Tensor) -> torch.Tensor:

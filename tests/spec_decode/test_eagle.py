@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals, _second_and_third_counts
-from tests.utils import make_tiny_model
+from tests.utils import build_tokenizer, make_tiny_model, save_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [30, 31, 32, 33, 30, 31], list(range(40, 70)), [12, 13, 12, 13, 12]]
 K = 3
@@ -225,6 +225,14 @@ def test_bad_heads_are_clear_errors(tiny_llama, tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="none of"):
         _engine(tiny_llama, str(tmp_path / "empty"))
+    from transformers import GPT2Config
+
+    gpt2 = str(tmp_path / "gpt2")  # a target with no model.embed_tokens to lend the head
+    build_tokenizer(gpt2)
+    save_tiny_model(gpt2, GPT2Config(vocab_size=config["vocab_size"], n_embd=config["hidden_size"], n_layer=1, n_head=4,
+                                     n_positions=512, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    with pytest.raises(ValueError, match="no model.embed_tokens"):
+        _engine(gpt2, _write_head(str(tmp_path / "for_gpt2"), config, _random_tensors(config, 1, False, False)))
     with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
         LLM(tiny_llama, pipeline_parallel_size=2,
             speculative_config={"method": "eagle", "model": str(tmp_path / "empty"), "num_speculative_tokens": 2})
