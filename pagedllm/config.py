@@ -209,15 +209,15 @@ class MedusaConfig:
 class SpeculativeConfig:
     """Draft tokens proposed each step and verified by the target in one forward pass."""
 
-    method: str  # "ngram", "draft_model", "medusa" or "eagle"
+    method: str  # "ngram", "draft_model", "medusa", "eagle" or "eagle3"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int = 0  # ngram: longest
-    model: str | None = None  # draft_model / medusa / eagle: the draft model's or head's name or path, as given
+    model: str | None = None  # draft_model / medusa / eagle(3): the draft model's or head's name or path, as given
     draft_model_config: ModelConfig | None = None  # draft_model only
-    heads_path: str | None = None  # medusa / eagle: the head's resolved directory
+    heads_path: str | None = None  # medusa / eagle(3): the head's resolved directory
     medusa_config: MedusaConfig | None = None  # medusa only
-    eagle_config: Any = None  # eagle only: the head's transformers config (its decoder layers' shape)
+    eagle_config: Any = None  # eagle(3) only: the head's transformers config (its decoder layers' shape)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -226,8 +226,8 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method in KV_DRAFTERS else 0
 
 
-KV_DRAFTERS = ("draft_model", "eagle")  # the drafters with layers of their own in the paged KV cache
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+KV_DRAFTERS = ("draft_model", "eagle", "eagle3")  # the drafters with layers of their own in the paged KV cache
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -550,7 +550,8 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
         config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
         return config
     if not spec.get("model"):
-        what = {"draft_model": "the draft model", "medusa": "the Medusa heads", "eagle": "the EAGLE head"}[method]
+        what = {"draft_model": "the draft model", "medusa": "the Medusa heads", "eagle": "the EAGLE head",
+                "eagle3": "the EAGLE-3 head"}[method]
         raise ValueError(f"speculative_config: method {method!r} needs 'model' (a path to {what})")
     config.model = spec["model"]
     return config

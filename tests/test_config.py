@@ -30,7 +30,8 @@ def test_draft_model_config(tiny_llama):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft_model', 'medusa'"),
+    ({"method": "lookahead", "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft_model', 'medusa'"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' needs 'model'"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' needs 'model'"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},

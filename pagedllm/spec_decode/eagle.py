@@ -30,28 +30,34 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, com
 from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
-from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderStack, load_weights
 from pagedllm.spec_decode.draft_model import InputBuilder, KVDrafter
+from pagedllm.spec_decode.eagle3 import aux_layer_ids, check_eagle3_config, load_eagle3_head
 from pagedllm.spec_decode.head_files import load_head_tensors
 
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def eagle_config(spec: SpeculativeConfig, path: str, target: ModelConfig) -> Any:
-    """The head's transformers config, checked against the target."""
+    """The head's transformers config, checked against the target (EAGLE-3: also the target
+    layers it reads)."""
     from transformers import AutoConfig
 
+    what = "EAGLE-3 head" if spec.method == "eagle3" else "EAGLE head"
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"EAGLE head at {path!r}: no readable config.json ({e})") from None
+        raise ValueError(f"{what} at {path!r}: no readable config.json ({e})") from None
     if config.model_type != "llama":
-        raise ValueError(f"EAGLE head at {path!r}: model_type {config.model_type!r}; the EAGLE layout loaded here "
-                         "is Llama decoder layers (model_type 'llama')")
+        raise ValueError(f"{what} at {path!r}: model_type {config.model_type!r}; the {what.removesuffix(' head')} "
+                         "layout loaded here is Llama decoder layers (model_type 'llama')")
     text = target.text_config
     if (config.hidden_size, config.vocab_size) != (text.hidden_size, text.vocab_size):
-        raise ValueError(f"EAGLE head at {path!r} takes hidden size {config.hidden_size} and vocabulary "
+        raise ValueError(f"{what} at {path!r} takes hidden size {config.hidden_size} and vocabulary "
                          f"{config.vocab_size}; the target has {text.hidden_size} and {text.vocab_size}")
+    if spec.method == "eagle3":
+        check_eagle3_config(path, config)
+        aux_layer_ids(config, text.num_hidden_layers)
     return config
 
 
@@ -105,19 +111,48 @@ def load_eagle_head(path: str, config: Any, dtype: torch.dtype, device: torch.de
     return head.eval()
 
 
+def _trunk(target: nn.Module) -> DecoderStack:
+    """The target's decoder stack (a vision-language model's language model's)."""
+    get_lm = getattr(target, "get_language_model", None)
+    lm = get_lm() if get_lm is not None else target
+    trunk = getattr(lm, getattr(lm, "trunk_name", "model"), None)
+    if not isinstance(trunk, DecoderStack) or type(trunk).forward is not DecoderStack.forward:
+        raise ValueError(f"EAGLE-3 reads the target's layers; {type(target).__name__} is not a decoder stack")
+    return trunk
+
+
 class EagleProposer(KVDrafter):
+    """EAGLE (`method` "eagle": the target's final hidden states, its LM head) and EAGLE-3
+    ("eagle3": the residual stream at three target layers, the head's own draft vocabulary)."""
+
     def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device,
                  prepare_inputs: InputBuilder) -> None:
         super().__init__(config, device, prepare_inputs)
         spec = config.speculative_config
+        dtype = config.model_config.dtype
         self.target = target
-        self.head = load_eagle_head(spec.heads_path, spec.eagle_config, config.model_config.dtype, device,
-                                    self.max_model_len)
+        self.trunk: DecoderStack | None = None
+        if spec.method == "eagle3":
+            self.trunk = _trunk(target)
+            aux = aux_layer_ids(spec.eagle_config, config.model_config.text_config.num_hidden_layers)
+            quantized = config.model_config.quantization if device.type == "cpu" else None
+            self.head = load_eagle3_head(spec.heads_path, spec.eagle_config, len(aux), dtype, device,
+                                         self.max_model_len, quantized)
+            self.trunk.aux_hidden_layers = aux  # its forward (or decode plan) keeps their inputs
+            self.draft = self.head.draft
+        else:
+            self.head = load_eagle_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
+            self.draft = lambda out: greedy_argmax(target.compute_logits(out))
         self.embed = self.head.embed_tokens or getattr(getattr(target, "model", None), "embed_tokens", None)
         if self.embed is None:
             raise ValueError(f"the EAGLE head at {spec.heads_path!r} has no embed_tokens.weight and the target "
                              f"({type(target).__name__}) has no model.embed_tokens to share")
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of the step just run that the head reads: the target's final hidden states,
+        or (EAGLE-3) its layers' inputs side by side."""
+        return hidden if self.trunk is None else self.trunk.aux_hidden_states
 
     def _run(self, step: Any, hidden: torch.Tensor) -> torch.Tensor:
         with set_forward_context(step.attn_metadata):
@@ -152,7 +187,7 @@ class EagleProposer(KVDrafter):
         feats = out[torch.from_numpy(step.cu_end[[due[a] for a in live]] - 1).to(self.device)]
         drafts: dict[int, list[int]] = {a: [] for a in live}
         for j in range(max(budget)):
-            for a, tok in zip(live, greedy_argmax(self.target.compute_logits(feats)).tolist()):
+            for a, tok in zip(live, self.draft(feats).tolist()):
                 drafts[a].append(tok)
             keep = [n for n, a in enumerate(live) if len(drafts[a]) < budget[a]]
             if not keep:

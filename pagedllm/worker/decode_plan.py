@@ -75,6 +75,7 @@ class PlanBuffers:
         self.q, self.k, self.o = zeros(rows, hq, d), zeros(rows, hk, d), zeros(rows, hq, d)
         inter = mlp.down_proj.in_features
         self.gate_up, self.act = zeros(rows, 2 * inter), zeros(rows, inter)
+        self.aux = zeros(rows, len(trunk.aux_hidden_layers) * hidden_size)  # the kept layers' inputs
 
 
 def _embed_scale(trunk: DecoderStack, dtype: torch.dtype) -> torch.Tensor | None:
@@ -104,7 +105,13 @@ class DecodePlan:
         self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()
         self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
         self.calls: list[Callable[[], object]] = []
-        for layer in layers:
+        self.trunk, aux = trunk, trunk.aux_hidden_layers
+        self.aux = buffers.aux[:rows]
+        width = self.hidden.shape[1]
+        for i, layer in enumerate(layers):
+            if i in aux:  # DecoderStack.forward's `aux_hidden_states`: this layer's input, copied aside
+                j = aux.index(i)
+                self.calls.append(partial(self.aux[:, j * width : (j + 1) * width].copy_, self.hidden))
             _recipe(layer)(self, layer)
         self._rms(getattr(trunk, trunk.norm_name), self.hidden, self.normed)
 
@@ -261,6 +268,8 @@ class DecodePlan:
             table[rows, : seg.block_table.shape[0]] = seg.block_table.numpy()
         for call in self.calls:
             call()
+        if self.aux.shape[1]:
+            self.trunk.aux_hidden_states = self.aux.clone()
         return self.normed.clone()
 
 

@@ -98,7 +98,7 @@ class ModelRunner:
         elif spec is not None and spec.method == "medusa":
             self.medusa = MedusaProposer(spec.heads_path, spec.medusa_config, spec.num_speculative_tokens,
                                          config.model_config.dtype, self.device)
-        elif spec is not None and spec.method == "eagle":
+        elif spec is not None and spec.method in ("eagle", "eagle3"):
             self.eagle = EagleProposer(config, self.model, self.device, prepare_inputs)
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
@@ -219,6 +219,7 @@ class ModelRunner:
         mc = self.config.model_config
         if (mc.enforce_eager or not use_triton_attention(self.device) or self.pooler_config is not None
                 or self.lora_manager is not None or self.pp.world_size > 1 or not self.kv_caches
+                or (self.eagle is not None and self.eagle.trunk is not None)  # EAGLE-3 reads layers' inputs
                 or any(isinstance(m, FusedMoE) for m in self.model.modules())):  # its routing counts on the host
             return
         sched = self.config.scheduler_config
@@ -250,7 +251,7 @@ class ModelRunner:
             self.encoder.execute(sched, self.input_batch.requests)
         out = ModelRunnerOutput([r.req_id for r in reqs], [None] * len(reqs))
         if not reqs:
-            self._pending.append((reqs, None, None, out))
+            self._pending.append((reqs, None, None, out, None))
             return
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
@@ -276,7 +277,8 @@ class ModelRunner:
             for i, r in enumerate(reqs):
                 if r.sampling_params.prompt_logprobs is not None and r.start_pos < len(r.prompt_token_ids) - 1:
                     out.prompt_logprobs[r.req_id] = self._prompt_logprobs(r, hidden[step.cu_start[i] : step.cu_end[i]])
-        self._pending.append((reqs, hidden, step.cu_end, out))
+        feats = self.eagle.features(hidden) if self.eagle is not None and hidden is not None else hidden
+        self._pending.append((reqs, hidden, step.cu_end, out, feats))
 
     def _pool(self, reqs: list[StepRow], hidden: torch.Tensor, step, out: ModelRunnerOutput) -> None:
         """The vectors of the pooling requests whose prompt this step completed."""
@@ -339,7 +341,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step `forward` ran, under the grammar bitmask, and propose the next drafts."""
-        reqs, hidden, cu_end, out = self._pending.popleft()
+        reqs, hidden, cu_end, out, feats = self._pending.popleft()
         if hidden is None or self.pooler_config is not None:
             return out  # nothing ran, a pipeline stage before the last, or pooled in forward()
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
@@ -358,7 +360,7 @@ class ModelRunner:
         elif self.medusa is not None:
             out.spec_token_ids = self._medusa_drafts(reqs, hidden, cu_end, out.sampled_token_ids)
         elif self.eagle is not None and reqs:
-            out.spec_token_ids = self.eagle.propose(reqs, out.sampled_token_ids, hidden, cu_end)
+            out.spec_token_ids = self.eagle.propose(reqs, out.sampled_token_ids, feats, cu_end)
         return out
 
     def _medusa_drafts(self, reqs: list[StepRow], hidden: torch.Tensor, cu_end: np.ndarray,

@@ -14,26 +14,26 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, read_metrics, serve_tiny
-from tests.spec_decode.test_eagle import _constant_head
+from tests.spec_decode.test_eagle3 import _constant_head
 from tests.spec_decode.test_medusa import _identity_heads
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
 
-EAGLE_TOKEN = 77  # the EAGLE head always drafts it; the requests' logit_bias makes the target say it
+EAGLE_TOKEN = 77  # the EAGLE-3 head always drafts it; the requests' logit_bias makes the target say it
 
 
-@pytest.fixture(scope="module", params=["ngram", "medusa", "eagle"])
+@pytest.fixture(scope="module", params=["ngram", "medusa", "eagle3"])
 def spec_server(request, tiny_llama, tmp_path_factory):
     """The server's URL and the logit bias its requests carry."""
     spec, bias = NGRAM, {}
     if request.param == "medusa":
         heads = _identity_heads(tiny_llama, str(tmp_path_factory.mktemp("medusa")))
         spec = json.dumps({"method": "medusa", "model": heads, "num_speculative_tokens": 3})
-    if request.param == "eagle":
-        head = _constant_head(tiny_llama, str(tmp_path_factory.mktemp("eagle")), EAGLE_TOKEN)
-        spec, bias = json.dumps({"method": "eagle", "model": head, "num_speculative_tokens": 3}), {EAGLE_TOKEN: 100.0}
+    if request.param == "eagle3":  # (EAGLE's heads take the same path from the flag to the runner)
+        head = _constant_head(tiny_llama, str(tmp_path_factory.mktemp("eagle3")), EAGLE_TOKEN)
+        spec, bias = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3}), {EAGLE_TOKEN: 100.0}
     for url in serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", spec)):
         yield url, bias
 

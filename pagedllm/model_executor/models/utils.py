@@ -49,6 +49,9 @@ class DecoderStack(nn.Module):
     and names its embedding and final norm, or says what `embed` and `finish` do instead."""
 
     layers_take_positions = True  # False: learned position embeddings, which `embed` adds
+    # Layers whose input (the residual stream) a forward keeps, side by side, in
+    # `aux_hidden_states`: what an EAGLE-3 head reads. Set by its proposer.
+    aux_hidden_layers: tuple[int, ...] = ()
     embed_name = "embed_tokens"
     norm_name = "norm"
 
@@ -78,13 +81,14 @@ class DecoderStack(nn.Module):
             hidden = inputs_embeds
         else:
             hidden = self.embed(input_ids, positions)
-        layers = self.stage_layers
-        if self.layers_take_positions:
-            for i in range(self.start_layer, self.end_layer):
-                hidden = layers[i](positions, hidden)
-        else:
-            for i in range(self.start_layer, self.end_layer):
-                hidden = layers[i](hidden)
+        layers, aux = self.stage_layers, self.aux_hidden_layers
+        kept = []
+        for i in range(self.start_layer, self.end_layer):
+            if i in aux:
+                kept.append(hidden)
+            hidden = layers[i](positions, hidden) if self.layers_take_positions else layers[i](hidden)
+        if aux:
+            self.aux_hidden_states = torch.cat(kept, dim=-1)
         return self.finish(hidden) if self.is_last_stage else IntermediateTensors(hidden)
 
 

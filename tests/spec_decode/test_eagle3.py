@@ -1,0 +1,268 @@
+"""EAGLE-3 heads as drafters, in the Hub layout: each draft equals a plain-torch reference of the
+head over transformers' hidden states of the target (Llama, Qwen3 and Gemma 3), through a draft
+vocabulary smaller than the target's; greedy output is identical to no speculation alone, in
+mixed batches, through chunked prompts, preemptions and prefix-cache hits, and on the decode
+plans of a quantized target; a head whose drafts are right has them all accepted; sampled output
+keeps the target's distribution; bad heads are clear errors."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.worker import decode_plan
+from tests.spec_decode.test_eagle import GREEDY, PROMPTS, _ids, _read, _target_config, _write_head
+from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals, _second_and_third_counts
+from tests.utils import make_tiny_model
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_llama, tiny_gemma3, tmp_path_factory) -> dict[str, str]:
+    return {"llama": tiny_llama, "gemma3": tiny_gemma3,
+            "qwen3": make_tiny_model(str(tmp_path_factory.mktemp("qwen3")), "qwen3")}
+
+
+def _head_config(model: str, draft_vocab: int | None = None, aux: list[int] | None = None) -> dict:
+    target = _target_config(model)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": target["hidden_size"], "intermediate_size": 96, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
+              "draft_vocab_size": draft_vocab or target["vocab_size"], "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+    if aux is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    return config
+
+
+def _random_tensors(config: dict, seed: int, num_aux: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv, draft = config["num_attention_heads"], config["num_key_value_heads"], config["draft_vocab_size"]
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    p = "midlayer."
+    t = {"fc.weight": rand(h, num_aux * h), "norm.weight": 1 + rand(h), "lm_head.weight": rand(draft, h, scale=1.0),
+         p + "self_attn.q_proj.weight": rand(heads * hd, 2 * h), p + "self_attn.k_proj.weight": rand(kv * hd, 2 * h),
+         p + "self_attn.v_proj.weight": rand(kv * hd, 2 * h), p + "self_attn.o_proj.weight": rand(h, heads * hd),
+         p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+         p + "mlp.down_proj.weight": rand(h, inter)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        t[p + norm + ".weight"] = 1 + rand(h)
+    vocab = config["vocab_size"]
+    if draft < vocab:  # the draft vocabulary: every other target id from 3 on, as d2t offsets and the t2d mask
+        ids = torch.arange(3, 3 + 2 * draft, 2) % vocab
+        t["d2t"] = ids - torch.arange(draft)
+        t["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        t["t2d"][ids] = True
+    return t
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    d = x.shape[-1]
+    angles = positions[:, None].float() * theta ** (-torch.arange(0, d, 2).float() / d)
+    cos, sin = (torch.cat((f, f), -1)[:, None] for f in (angles.cos(), angles.sin()))
+    return x * cos + torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1) * sin
+
+
+def _head_rows(t: dict[str, torch.Tensor], config: dict, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's pre-norm output for a whole sequence (causal attention over it)."""
+    p, hd = "midlayer.", config["head_dim"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    x = torch.cat((_rms(embeds, t[p + "input_layernorm.weight"]), _rms(hidden, t[p + "hidden_norm.weight"])), -1)
+    n = len(x)
+    pos = torch.arange(n)
+    q = _rotate((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, hd), pos, config["rope_theta"])
+    k = _rotate((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kv, hd), pos, config["rope_theta"])
+    v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kv, hd)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * hd)
+    x = hidden + o @ t[p + "self_attn.o_proj.weight"].T
+    m = _rms(x, t[p + "post_attention_layernorm.weight"])
+    act = torch.nn.functional.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)
+    return x + act @ t[p + "mlp.down_proj.weight"].T
+
+
+def _reference_drafts(model: str, head: str, config: dict, aux: list[int], seq: list[int], n: int) -> list[int]:
+    """transformers' hidden states entering the `aux` layers over `seq`, fused by fc, then the
+    head's rows (token p + 1, fused hidden p), chained n times on its own pre-norm outputs."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    t = {k: (v.float() if v.is_floating_point() else v) for k, v in _read(head).items()}
+    embedding = target.get_input_embeddings().weight  # unscaled rows
+    with torch.no_grad():
+        states = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        feats = torch.cat([states[i][0] for i in sorted(aux)], -1)[:-1] @ t["fc.weight"].T  # in layer order
+        tokens, drafts = list(seq[1:]), []
+        for _ in range(n):
+            out = _head_rows(t, config, embedding[torch.tensor(tokens)], feats)
+            best = int((_rms(out[-1], t["norm.weight"]) @ t["lm_head.weight"].T).argmax())
+            drafts.append(best + int(t["d2t"][best]) if "d2t" in t else best)
+            tokens.append(drafts[-1])
+            feats = torch.cat((feats, out[-1:]))
+    return drafts
+
+
+def _engine(model: str, head: str | None = None, k: int = K, **kwargs) -> LLM:
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k} if head else None
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model, kv_cache_memory=1 << 24, speculative_config=spec, **kwargs)
+
+
+def _spy(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(known tokens, drafts) of every proposal the engine's EAGLE-3 proposer makes from now on."""
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    propose, seen = runner.eagle.propose, []
+
+    def spy(reqs, new_tokens, feats, cu_end):
+        drafts = propose(reqs, new_tokens, feats, cu_end)
+        seen.extend((r.state.token_slice(0, r.end) + list(new), d)
+                    for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
+        return drafts
+
+    runner.eagle.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("arch,aux,draft_vocab,layout", [("llama", None, None, "safetensors"),
+                                                          ("qwen3", [0, 2], 40, "bin"),
+                                                          ("gemma3", [1, 0, 2], 64, "safetensors")])
+def test_drafts_equal_the_reference_and_greedy_is_unchanged(arch, aux, draft_vocab, layout, targets, tmp_path):
+    """The llama head reads vLLM's default layers (2, L // 2, L - 3) = (2, 1, 0) of the 3-layer target."""
+    model = targets[arch]
+    config = _head_config(model, draft_vocab, aux)
+    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 3, len(aux or [2, 1, 0])), layout)
+    reference = _ids(_engine(model), GREEDY)
+    llm = _engine(model, head)
+    seen = _spy(llm)
+    assert _ids(llm, GREEDY) == reference  # all four prompts in one batch
+    assert len(seen) > 20
+    for seq, drafts in seen[:: max(1, len(seen) // 6)]:
+        assert drafts == _reference_drafts(model, head, config, aux or [2, 1, 0], seq, len(drafts)), seq
+    m = llm.get_metrics()
+    assert m["pagedllm:spec_decode_num_draft_tokens"] > 0
+    assert m["pagedllm:kv_cache_usage"] == 0.0
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the decode plans run pagedllm's C kernels")
+def test_decode_plans_keep_the_layers_inputs(tmp_path, monkeypatch):
+    """An int8 target on the decode plans: the same drafts as its module path, step for step, and
+    greedy output unchanged."""
+    model = make_tiny_model(str(tmp_path / "gemma3_d32"), "gemma3", head_dim=32, query_pre_attn_scalar=32)
+    config = _head_config(model)
+    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 7))
+    plan_rows = []
+    real_run = decode_plan.DecodePlan.run
+
+    def run(self, *args):
+        plan_rows.append(self.rows)
+        return real_run(self, *args)
+
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", run)
+    reference = _ids(_engine(model, quantization="int8"), GREEDY)
+    plan_rows.clear()
+    llm = _engine(model, head, quantization="int8")
+    with_plans = _spy(llm)
+    assert _ids(llm, GREEDY) == reference
+    assert plan_rows and max(plan_rows) > 1  # verification rows ran on plans
+    monkeypatch.setattr(decode_plan.DecodePlans, "takes", lambda self, md: False)
+    llm = _engine(model, head, quantization="int8")
+    without = _spy(llm)
+    assert _ids(llm, GREEDY) == reference
+    assert with_plans == without
+
+
+def _constant_head(model: str, path: str, token: int) -> str:
+    """A head whose output is zero at every row (fc, attention and MLP add nothing), so every draft
+    logit ties; each draft id maps to `token`, so it always drafts `token`."""
+    config = _head_config(model, draft_vocab=4)
+    t = _random_tensors(config, 5)
+    for name in ("fc.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        t[name].zero_()
+    t["d2t"] = token - torch.arange(4)  # every draft id maps to `token`
+    t["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    return _write_head(path, config, t)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_right_drafts_are_all_accepted(tp, tiny_llama, tmp_path):
+    """Also across two tensor-parallel worker processes, whose ranks each hold half the head's layer."""
+    token = 77
+    head = _constant_head(tiny_llama, str(tmp_path / "const"), token)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logit_bias={token: 100.0})
+    llm = _engine(tiny_llama, head, tensor_parallel_size=tp)
+    assert _ids(llm, params) == [[token] * 17] * len(PROMPTS) == _ids(_engine(tiny_llama), params)
+    m = llm.get_metrics()
+    assert m["pagedllm:spec_decode_acceptance_rate"] > 0.95
+    assert m["pagedllm:spec_decode_mean_acceptance_length"] > K
+
+
+def test_chunking_preemption_and_prefix_cache_keep_greedy(tiny_llama, tmp_path):
+    """A token budget of 10 cuts prompts and verifications into pieces, 6 blocks of 16 force
+    preemptions, the repeated prompts hit the prefix cache."""
+    config = _head_config(tiny_llama, draft_vocab=50)
+    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 4))
+    reference = _ids(_engine(tiny_llama), GREEDY)
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=10, num_gpu_blocks_override=6, max_model_len=64,
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K})
+    assert _ids(llm, GREEDY, PROMPTS + PROMPTS) == reference + reference
+    m = llm.get_metrics()
+    assert m["pagedllm:num_preemptions"] > 0 and m["pagedllm:prefix_cache_hits"] > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tmp_path):
+    """A head that always drafts the likeliest 2nd token: the target's own marginals for the 2nd
+    and 3rd tokens, with both verification paths (accepted, resampled) taken."""
+    prompt = [5, 6, 7, 8, 9]
+    temperature, top_k = 1.5, 4
+    second, third = _exact_marginals(tiny_llama, prompt, temperature, top_k)
+    head = _constant_head(tiny_llama, str(tmp_path / "const"), max(second, key=second.get))
+    llm = _engine(tiny_llama, head, k=2)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
+              for s in range(1500)]
+    counts2, counts3 = _second_and_third_counts(llm, prompt, params)
+    assert 0.05 < llm.get_metrics()["pagedllm:spec_decode_acceptance_rate"] < 0.95
+    assert _chi_square_pvalue(counts2, second) > 1e-3
+    assert _chi_square_pvalue(counts3, third) > 1e-3
+
+
+def test_bad_heads_are_clear_errors(tiny_llama, tmp_path):
+    config = _head_config(tiny_llama, draft_vocab=40)
+    good = _random_tensors(config, 1)
+    with pytest.raises(ValueError, match="target has 3"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "layers"), dict(config, eagle_config={
+            "eagle_aux_hidden_state_layer_ids": [0, 5, 1]}), good))
+    with pytest.raises(ValueError, match="needs 'd2t'"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "nod2t"), config,
+                                        {k: v for k, v in good.items() if k != "d2t"}))
+    with pytest.raises(ValueError, match="fc.weight is"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "fc"), config,
+                                        dict(good, **{"fc.weight": good["fc.weight"][:, :-4]})))
+    with pytest.raises(ValueError, match="missing tensors"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "partial"), config,
+                                        {k: v for k, v in good.items() if "hidden_norm" not in k}))
+    bad = dict(good, d2t=good["d2t"] + 10_000)
+    with pytest.raises(ValueError, match="d2t does not map"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "d2t"), config, bad))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        _engine(tiny_llama, _write_head(str(tmp_path / "vocab"), dict(config, draft_vocab_size=10**6), good))
+    os.makedirs(tmp_path / "raw", exist_ok=True)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "raw" / "model.safetensors"))
+    with pytest.raises(ValueError, match="config.json"):
+        _engine(tiny_llama, str(tmp_path / "raw"))
