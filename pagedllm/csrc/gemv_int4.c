@@ -72,7 +72,7 @@ INLINE void w4_block(__m256i *a, __m256i *b, int M, const uint8_t *wb, const int
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < M; r++) {
         a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(W4_SUM16(x1 + r * kp), ones));
-        b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(W4_SUM16(x2 + r * kp), ones));
+        if (x2) b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(W4_SUM16(x2 + r * kp), ones));
     }
 #undef W4_SUM16
 }
@@ -83,17 +83,21 @@ INLINE void w4_block(wvec *a, wvec *b, int M, const uint8_t *wb, const int8_t *x
         wvec v = W4_LOAD(wb + j);
         wvec lo = W4_AND(v, lo_mask), hi = W4_AND(W4_SRLI16(v, 4), lo_mask);
         for (int r = 0; r < M; r++) {
-            const int8_t *p1 = x1 + r * kp + j, *p2 = x2 + r * kp + j;
+            const int8_t *p1 = x1 + r * kp + j;
             a[r] = DPBUSD(a[r], lo, W4_LOAD(p1));
             a[r] = DPBUSD(a[r], hi, W4_LOAD(p1 + 64));
-            b[r] = DPBUSD(b[r], lo, W4_LOAD(p2));
-            b[r] = DPBUSD(b[r], hi, W4_LOAD(p2 + 64));
+            if (x2) {
+                const int8_t *p2 = x2 + r * kp + j;
+                b[r] = DPBUSD(b[r], lo, W4_LOAD(p2));
+                b[r] = DPBUSD(b[r], hi, W4_LOAD(p2 + 64));
+            }
         }
     }
 }
 #endif
 
-/* facc[r]'s lanes sum to row r's dot product, less the zero point's term fz[r]. */
+/* facc[r]'s lanes sum to row r's dot product, less the zero point's term fz[r]. x2 NULL: the
+ * activations are x1 alone (8-bit). */
 INLINE void w4_row_parts(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
                          int64_t g, const float *xsum, int64_t groups, vf *facc, float *fz) {
     for (int r = 0; r < M; r++) facc[r] = vzero(), fz[r] = 0.0f;
@@ -102,11 +106,11 @@ INLINE void w4_row_parts(const int8_t *x1, const int8_t *x2, int64_t kp, int M, 
         wvec a[4], b[4];
         for (int r = 0; r < M; r++) a[r] = b[r] = W4_ZERO();
         for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 128)
-            w4_block(a, b, M, wrow + k0 / 2, x1 + k0, x2 + k0, kp, lo_mask);
+            w4_block(a, b, M, wrow + k0 / 2, x1 + k0, x2 ? x2 + k0 : NULL, kp, lo_mask);
         vf sv = vset1(sz[2 * gi]);
         float zb = sz[2 * gi + 1];
         for (int r = 0; r < M; r++) {  /* d = 256 * (x1 . q) + (x2 . q), lane by lane */
-            facc[r] = vfmadd(W4_CVT(W4_ADD32(W4_SLLI32(a[r], 8), b[r])), sv, facc[r]);
+            facc[r] = vfmadd(W4_CVT(x2 ? W4_ADD32(W4_SLLI32(a[r], 8), b[r]) : a[r]), sv, facc[r]);
             fz[r] += zb * xsum[r * groups + gi];
         }
     }
@@ -121,27 +125,32 @@ INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const 
 }
 
 #ifdef PL_AVX2
-/* One activation row, 8 weight rows at a time, their sums reduced as one vector (as w8_m1). */
-static void w4_m1(const int8_t *x1, const int8_t *x2, int64_t kp, const uint8_t *w, const float *sz, int64_t g,
-                  const float *xsum, int64_t k, float sx, const void *bias, int64_t n, void *y, int y_bf16,
+/* Up to 4 activation rows, 8 weight rows at a time, each activation row's 8 sums reduced as one
+ * vector (as w8_m1). */
+static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *w, const float *sz, int64_t g,
+                  const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, void *y, int y_bf16,
                   int nthreads) {
     int64_t groups = k / g;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < n / 8; nb++) {
         int64_t nn = nb * 8;
-        __m256 acc[8];
-        float fz[8];
-        for (int j = 0; j < 8; j++)
-            w4_row_parts(x1, x2, kp, 1, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, &acc[j],
-                         &fz[j]);
-        __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc), _mm256_loadu_ps(fz)), _mm256_set1_ps(sx));
-        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
-        vstore(y, y_bf16, nn, v, 8);
+        __m256 acc[4][8], parts[4];
+        float fz[4][8], fzr[4];
+        for (int j = 0; j < 8; j++) {
+            w4_row_parts(x1, x2, kp, M, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, parts, fzr);
+            for (int r = 0; r < M; r++) acc[r][j] = parts[r], fz[r][j] = fzr[r];
+        }
+        for (int r = 0; r < M; r++) {
+            __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc[r]), _mm256_loadu_ps(fz[r])), _mm256_set1_ps(sx[r]));
+            if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
+            vstore(y, y_bf16, r * n + nn, v, 8);
+        }
     }
     for (int64_t nn = n / 8 * 8; nn < n; nn++) {
-        float out;
-        w4_row(x1, x2, kp, 1, w + nn * (k / 2), sz + nn * groups * 2, g, xsum, groups, &out);
-        store1(y, y_bf16, nn, out * sx + (bias ? load1(bias, y_bf16, nn) : 0.0f));
+        float out[4];
+        w4_row(x1, x2, kp, M, w + nn * (k / 2), sz + nn * groups * 2, g, xsum, groups, out);
+        for (int r = 0; r < M; r++)
+            store1(y, y_bf16, r * n + nn, out[r] * sx[r] + (bias ? load1(bias, y_bf16, nn) : 0.0f));
     }
 }
 #endif
@@ -157,8 +166,14 @@ INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const 
             for (int i = 0; i < 64; i++) {
                 int lo = wrow[k0 / 2 + i] & 0x0F, hi = wrow[k0 / 2 + i] >> 4;
                 for (int r = 0; r < M; r++) {
-                    const int8_t *p1 = x1 + r * kp + k0, *p2 = x2 + r * kp + k0;
-                    d[r] += 256 * (lo * p1[i] + hi * p1[64 + i]) + lo * p2[i] + hi * p2[64 + i];
+                    const int8_t *p1 = x1 + r * kp + k0;
+                    int d1 = lo * p1[i] + hi * p1[64 + i];
+                    if (x2) {
+                        const int8_t *p2 = x2 + r * kp + k0;
+                        d[r] += 256 * d1 + lo * p2[i] + hi * p2[64 + i];
+                    } else {
+                        d[r] += d1;
+                    }
                 }
             }
         for (int r = 0; r < M; r++) {
@@ -170,17 +185,22 @@ INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const 
 }
 #endif
 
-#define W4_ROW_M(MM) w4_row(x1 + r0 * kp, x2 + r0 * kp, kp, MM, wrow, sz + nn * groups * 2, g, xsum + r0 * groups, groups, out)
+#define W4_ROW_M(MM) w4_row(x1 + r0 * kp, x2 ? x2 + r0 * kp : NULL, kp, MM, wrow, sz + nn * groups * 2, g, xsum + r0 * groups, groups, out)
 
-void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz,
-                     int64_t g, const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
+/* act8: activations quantized to 8 bits (|xq| <= 127), not 16: half the multiply-adds, for a
+ * ranking whose top candidates are recomputed exactly. */
+static void w4_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz, int64_t g,
+                      const void *bias, int64_t n, void *y, int y_bf16, int nthreads, int act8) {
     int64_t kp = KPAD(k), groups = k / g;
     int16_t *xq = aligned_alloc(64, (size_t)(m * kp * sizeof(int16_t)));
-    int8_t *x1 = aligned_alloc(64, (size_t)(m * kp)), *x2 = aligned_alloc(64, (size_t)(m * kp));
+    int8_t *x1 = aligned_alloc(64, (size_t)(m * kp)), *x2 = act8 ? NULL : aligned_alloc(64, (size_t)(m * kp));
     float *sx = malloc((size_t)m * sizeof(float));
     float *xsum = malloc((size_t)(m * groups) * sizeof(float));
-    quantize_rows_i16(x, x_bf16, m, k, 127.0f * 256.0f - 128.0f, xq, sx);
-    split_rows_i8(xq, m, kp, x1, x2);
+    quantize_rows_i16(x, x_bf16, m, k, act8 ? 127.0f : 127.0f * 256.0f - 128.0f, xq, sx);
+    if (act8)
+        for (int64_t i = 0; i < m * kp; i++) x1[i] = (int8_t)xq[i];
+    else
+        split_rows_i8(xq, m, kp, x1, x2);
     for (int64_t r = 0; r < m; r++)
         for (int64_t gi = 0; gi < groups; gi++) {
             int64_t s = 0;
@@ -188,10 +208,12 @@ void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint
             xsum[r * groups + gi] = (float)s;
         }
 #ifdef PL_AVX2
-    if (m == 1) {
-        w4_m1(x1, x2, kp, w, sz, g, xsum, k, sx[0], bias, n, y, y_bf16, nthreads);
-        m = 0;  /* done: skip the general loop, free below */
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        int M = m - r0 < 4 ? (int)(m - r0) : 4;
+        w4_m8(x1 + r0 * kp, x2 ? x2 + r0 * kp : NULL, kp, M, w, sz, g, xsum + r0 * groups, k, sx + r0, bias, n,
+              (char *)y + r0 * n * (y_bf16 ? 2 : 4), y_bf16, nthreads);
     }
+    m = 0;  /* done: skip the general loop, free below */
 #endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nn = 0; nn < (m ? n : 0); nn++) {
@@ -217,4 +239,14 @@ void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint
     free(x2);
     free(x1);
     free(xq);
+}
+
+void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz,
+                     int64_t g, const void *bias, int64_t n, void *y, int y_bf16, int nthreads) {
+    w4_linear(x, x_bf16, m, k, w, sz, g, bias, n, y, y_bf16, nthreads, 0);
+}
+
+void pl_w4a8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz, int64_t g,
+                  int64_t n, void *y, int y_bf16, int nthreads) {
+    w4_linear(x, x_bf16, m, k, w, sz, g, NULL, n, y, y_bf16, nthreads, 1);
 }

@@ -26,6 +26,9 @@ void pl_kv_cache_write(const void *k, const void *v, int bf16, int64_t n, int64_
 /* gemv_int4.c: y[m, n] = x[m, k] @ dequant(w)^T (+ bias), int4 with per-group scales and zeros */
 void pl_w4a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz, int64_t g,
                      const void *bias, int64_t n, void *y, int y_bf16, int nthreads);
+/* the same with 8-bit activations, no bias: an LM head's ranking */
+void pl_w4a8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w, const float *sz, int64_t g,
+                  int64_t n, void *y, int y_bf16, int nthreads);
 
 /* gemv_int8.c: the int8 weight-only linear, the W8A8 ranking of a head's rows, and int8 row sums */
 void pl_w8a16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *w_scale,

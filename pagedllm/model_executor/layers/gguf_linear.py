@@ -236,7 +236,7 @@ class GGUFRankedHead(nn.Module):
         elif hidden.shape[0] > self.few_rows.max_rows:
             logits, top_k = self.many_rows(hidden), min(self.top_k, DYNAMIC_TOP_K)
         else:
-            logits, top_k = self.few_rows(hidden), self.top_k
+            logits, top_k = self.few_rows.rank(hidden), self.top_k
         idx = top_k_indices(logits, top_k)
         m, k = idx.shape
         rows = self.blocks.lookup(idx.reshape(-1)).view(m, k, -1).to(hidden.dtype)

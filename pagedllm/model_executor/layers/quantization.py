@@ -121,6 +121,13 @@ class WeightOnlyQuant(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
 
+    def rank(self, x: torch.Tensor) -> torch.Tensor:
+        """Approximate outputs for ranking an LM head's vocabulary (its top candidates are then
+        recomputed exactly): the int4 kernel with 8-bit activations, else `forward`."""
+        if self.layout == "pagedllm" and self.method == "int4" and x.dtype in (torch.float32, torch.bfloat16):
+            return cpu_kernels.w4a8_rank(x, self.qweight, self.scales, self.group_size)
+        return self(x)
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.layout == "pagedllm":
             xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(_KERNEL_DTYPE)  # e.g. float16
@@ -284,7 +291,7 @@ class QuantizedLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         top_k = self.top_k
         if self.few_rows is not None and hidden.shape[0] <= self.few_rows.max_rows:
-            logits = self.few_rows(hidden)
+            logits = self.few_rows.rank(hidden) if top_k else self.few_rows(hidden)
         else:
             logits = self.dynamic(hidden)
             top_k = min(top_k, DYNAMIC_TOP_K)

@@ -109,6 +109,30 @@ def test_w4a16_linear(n, k, group, rows, dtype):
     _check(out, xd @ deq.T + bias.double(), dtype)
 
 
+@pytest.mark.skipif(not KERNELS, reason="the 8-bit ranking is one of pagedllm's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, group", [(48, 640, 128), (13, 256, 256), (35, 1024, 128)])  # 13, 35: a partial 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+def test_w4a8_rank_is_its_own_arithmetic(n, k, group, rows, dtype):
+    """The LM head's int4 ranking with 8-bit activations: each row rounded to x * 127 / max|x|,
+    times the dequantized int4 weight, then max|x| / 127; each row the same alone as in a batch."""
+    q, sz = qz.quantize_int4(_rand(n, k, scale=0.05), group)
+    packed, scales = cpu_kernels.pack_int4(q, sz)
+    x = (_rand(rows, k, seed=6) * 3).to(dtype)
+    out = cpu_kernels.w4a8_rank(x, packed, scales, group)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    xq = torch.round(xf * torch.div(torch.tensor(127.0), amax))  # as the kernel: x * (127 / max|x|) in float32
+    ref = xq.double() @ qz.dequantize_int4(q, sz).double().T * (amax.double() / 127)
+    rel = (out.double() - ref).abs().max() / ref.abs().max()
+    assert rel < (1e-5 if dtype == torch.float32 else 8e-3), rel
+    for r in range(rows):  # row independence, bit for bit
+        assert torch.equal(cpu_kernels.w4a8_rank(x[r : r + 1], packed, scales, group)[0], out[r])
+        assert torch.equal(cpu_kernels.w4a16_linear(x[r : r + 1], packed, scales, group, None)[0],
+                           cpu_kernels.w4a16_linear(x, packed, scales, group, None)[r])
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_extreme_activations(method):
     """Rows of zeros, one huge outlier, and values at the int16 split boundaries."""
