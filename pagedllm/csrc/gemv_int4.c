@@ -125,27 +125,46 @@ INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const 
 }
 
 #ifdef PL_AVX2
-/* Up to 4 activation rows, 8 weight rows at a time, each activation row's 8 sums reduced as one
- * vector (as w8_m1). */
+/* Weight rows [nn, nn + 8) for M activation rows, each activation row's 8 sums reduced as one
+ * vector (as w8_m1). Called with M and x2's NULL-ness as constants, so each case compiles apart. */
+INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *w, const float *sz,
+                     int64_t g, const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, int64_t nn,
+                     void *y, int y_bf16) {
+    int64_t groups = k / g;
+    __m256 acc[4][8], parts[4];
+    float fz[4][8], fzr[4];
+    for (int j = 0; j < 8; j++) {
+        w4_row_parts(x1, x2, kp, M, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, parts, fzr);
+        for (int r = 0; r < M; r++) acc[r][j] = parts[r], fz[r][j] = fzr[r];
+    }
+    for (int r = 0; r < M; r++) {
+        __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc[r]), _mm256_loadu_ps(fz[r])), _mm256_set1_ps(sx[r]));
+        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
+        vstore(y, y_bf16, r * n + nn, v, 8);
+    }
+}
+
+/* Up to 4 activation rows, 8 weight rows at a time. */
 static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *w, const float *sz, int64_t g,
                   const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, void *y, int y_bf16,
                   int nthreads) {
     int64_t groups = k / g;
+    int variant = M + (x2 ? 4 : 0);
+#define W4_8(MM, X2) w4_8rows(x1, X2, kp, MM, w, sz, g, xsum, k, sx, bias, n, nb * 8, y, y_bf16)
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < n / 8; nb++) {
-        int64_t nn = nb * 8;
-        __m256 acc[4][8], parts[4];
-        float fz[4][8], fzr[4];
-        for (int j = 0; j < 8; j++) {
-            w4_row_parts(x1, x2, kp, M, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, parts, fzr);
-            for (int r = 0; r < M; r++) acc[r][j] = parts[r], fz[r][j] = fzr[r];
-        }
-        for (int r = 0; r < M; r++) {
-            __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc[r]), _mm256_loadu_ps(fz[r])), _mm256_set1_ps(sx[r]));
-            if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
-            vstore(y, y_bf16, r * n + nn, v, 8);
+        switch (variant) {
+            case 1: W4_8(1, NULL); break;
+            case 2: W4_8(2, NULL); break;
+            case 3: W4_8(3, NULL); break;
+            case 4: W4_8(4, NULL); break;
+            case 5: W4_8(1, x2); break;
+            case 6: W4_8(2, x2); break;
+            case 7: W4_8(3, x2); break;
+            default: W4_8(4, x2); break;
         }
     }
+#undef W4_8
     for (int64_t nn = n / 8 * 8; nn < n; nn++) {
         float out[4];
         w4_row(x1, x2, kp, M, w + nn * (k / 2), sz + nn * groups * 2, g, xsum, groups, out);
