@@ -1,0 +1,106 @@
+"""An EAGLE head against no speculation and n-gram speculation on held-out chat prompts
+(`eagle_prompts.HELD_OUT`), greedy, every configuration in one process:
+
+    python benchmarks/bench_eagle.py --head /work/models/eagle3-gemma3-270m --method eagle3 --k 1 2 3 4 5
+
+- batch 1: each prompt alone, TPOT = (time to 128 tokens - time to 1 token) / 127, summed over
+  the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it);
+- batch 16 (`--batch16`): all prompts at once, output tok/s;
+- each configuration's greedy tokens must equal those without speculation (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from eagle_prompts import HELD_OUT
+
+from pagedllm import LLM, SamplingParams
+
+KEYS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def counters(llm: LLM) -> dict[str, float]:
+    m = llm.get_metrics()
+    return {k: m.get(f"pagedllm:spec_decode_num_{k}", 0.0) for k in KEYS}
+
+
+def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]], dict]:
+    """Decode seconds per token at batch 1, the outputs, and the speculation counters' growth."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm up (and build the decode plans)
+    before = counters(llm)
+    decode, outs = 0.0, []
+    for p in prompts:
+        t0 = time.perf_counter()
+        llm.generate([p], first, use_tqdm=False)
+        t1 = time.perf_counter()
+        outs.append(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+        t2 = time.perf_counter()
+        decode += (t2 - t1) - (t1 - t0)
+    after = counters(llm)
+    return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before[k] for k in KEYS}
+
+
+def batched(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    ids = [o.outputs[0].token_ids for o in outs]
+    return sum(len(i) for i in ids) / elapsed, ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target (default: pagedllm's default model)")
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--ngram-k", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=len(HELD_OUT))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch16", action="store_true", help="also all prompts at once, 16 at a time")
+    args = ap.parse_args()
+
+    from train_eagle import chat_ids
+
+    def engine(spec: dict | None, **kw) -> LLM:
+        return LLM(args.model, speculative_config=spec, **kw) if args.model else LLM(speculative_config=spec, **kw)
+
+    configs = [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": args.ngram_k})]
+    configs += [(f"{args.method} k={k}", {"method": args.method, "model": args.head, "num_speculative_tokens": k})
+                for k in args.k]
+    rows, reference, reference16 = [], None, None
+    for name, spec in configs:
+        llm = engine(spec)
+        prompts = [{"prompt_token_ids": chat_ids(llm.get_tokenizer(), p)} for p in HELD_OUT[: args.num_prompts]]
+        tpot, outs, c = batch1(llm, prompts, args.max_tokens)
+        reference = reference or outs
+        row = {"config": name, "batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
+        if c["drafts"]:
+            row["mean_acceptance_length"] = round(1 + c["accepted_tokens"] / c["drafts"], 3)
+            row["acceptance_rate"] = round(c["accepted_tokens"] / c["draft_tokens"], 3)
+        if args.batch16:
+            del llm
+            llm = engine(spec, max_num_seqs=16)
+            tps, ids = batched(llm, prompts, args.max_tokens)
+            reference16 = reference16 or ids
+            row["batch16_tok_s"] = round(tps, 1)
+            row["batch16_same_tokens"] = ids == reference16
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del llm
+    base = rows[0]["batch1_tpot_ms"]
+    for row in rows:
+        print(f"{row['config']:>12}: batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({base / row['batch1_tpot_ms']:.2f}x)"
+              f"  acceptance length {row.get('mean_acceptance_length', '-')}"
+              + (f"  batch 16 {row['batch16_tok_s']} tok/s" if "batch16_tok_s" in row else ""))
+
+
+if __name__ == "__main__":
+    main()
