@@ -207,8 +207,9 @@ def test_quantized_head_recomputes_its_top_k_exactly(dtype, layout, monkeypatch)
     monkeypatch.setattr(qz, "top_k_indices", lambda *a: picked.append(select(*a)) or picked[-1])
 
     h = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    # up to max_rows int4 ranks and its top 40 are re-scored; above, W8A8 ranks and its top 24
-    for rows, ranking, k in ((h[:3], few_rows, 40), (h, dynamic, 24)):
+    # up to max_rows int4 ranks (with 8-bit activations: `rank`) and its top 40 are re-scored;
+    # above, W8A8 ranks and its top 24
+    for rows, ranking, k in ((h[:3], few_rows.rank, 40), (h, dynamic, 24)):
         got, exact, approx = head(rows), F.linear(rows, before), ranking(rows)
         assert got.dtype == dtype
         top = picked[-1]
