@@ -218,6 +218,9 @@ class SpeculativeConfig:
     heads_path: str | None = None  # medusa / eagle(3): the head's resolved directory
     medusa_config: MedusaConfig | None = None  # medusa only
     eagle_config: Any = None  # eagle(3) only: the head's transformers config (its decoder layers' shape)
+    # No drafts are proposed after a step that ran at least this many requests (None: always):
+    # on a CPU, k + 1 rows per request cost nearly k + 1 times one once the batch is compute-bound.
+    disable_by_batch_size: int | None = None
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -518,7 +521,8 @@ def build_model_config(
     )
 
 
-_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size"}
 
 
 def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | None:
@@ -540,6 +544,10 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
     config = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    off = spec.get("disable_by_batch_size")
+    if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
+        raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {off!r}")
+    config.disable_by_batch_size = off
     if method == "ngram":
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)

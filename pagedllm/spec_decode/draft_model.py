@@ -54,11 +54,12 @@ class KVDrafter:
         self.device = device
         self.prepare_inputs = prepare_inputs
 
-    def budget(self, num_blocks: int, seq_len: int) -> int:
-        """Drafts a request of `seq_len` tokens (the new one included) can take: at most k, within
-        the slots of its `num_blocks` blocks (the drafter writes K/V up to the next-to-last
-        draft's position) and below max_model_len."""
-        return max(0, min(self.k, num_blocks * self.block_size - seq_len + 1, self.max_model_len - seq_len))
+    def budget(self, num_blocks: int, seq_len: int, max_drafts: int | None = None) -> int:
+        """Drafts a request of `seq_len` tokens (the new one included) can take: at most k (or
+        `max_drafts`), within the slots of its `num_blocks` blocks (the drafter writes K/V up to
+        the next-to-last draft's position) and below max_model_len."""
+        k = self.k if max_drafts is None else min(self.k, max_drafts)
+        return max(0, min(k, num_blocks * self.block_size - seq_len + 1, self.max_model_len - seq_len))
 
 
 class DraftModelProposer(KVDrafter):
@@ -81,7 +82,10 @@ class DraftModelProposer(KVDrafter):
         reqs: list[DraftingRequest],
         new_tokens: list[list[int] | None],
         sampling_metadata: MetadataBuilder,
+        max_drafts: int | None = None,
     ) -> list[list[int] | None]:
+        """Catch up on the step's verified tokens, then draft (at most `max_drafts`; 0: only
+        catch up)."""
         # 1. Catch up: the verified part of what the target just computed, plus the new token.
         token_ids = []
         for r, new in zip(reqs, new_tokens):
@@ -95,7 +99,7 @@ class DraftModelProposer(KVDrafter):
         # How many drafts each request can take: its block table's lookahead slots, max_model_len.
         rows = [i for i, new in enumerate(new_tokens) if new is not None]
         seq_lens = [int(step.starts[i] + step.query_lens[i]) for i in rows]  # T: tokens incl. the new one
-        budget = [self.budget(len(reqs[i].block_ids), t) for i, t in zip(rows, seq_lens)]
+        budget = [self.budget(len(reqs[i].block_ids), t, max_drafts) for i, t in zip(rows, seq_lens)]
         keep = [j for j, b in enumerate(budget) if b > 0]
         rows, seq_lens, budget = [rows[j] for j in keep], [seq_lens[j] for j in keep], [budget[j] for j in keep]
         proposals: list[list[int] | None] = [None] * len(reqs)

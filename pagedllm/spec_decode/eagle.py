@@ -160,9 +160,10 @@ class EagleProposer(KVDrafter):
 
     @torch.inference_mode()
     def propose(self, reqs: list[Any], new_tokens: list[list[int] | None], hidden: torch.Tensor,
-                cu_end: np.ndarray) -> list[list[int] | None]:
+                cu_end: np.ndarray, max_drafts: int | None = None) -> list[list[int] | None]:
         """Drafts for the requests that sampled (`new_tokens[i]`: the tokens step i emitted, its
-        accepted drafts then the bonus token), from the target's `hidden` rows of this step."""
+        accepted drafts then the bonus token), from the target's `hidden` rows of this step; at
+        most `max_drafts` (0: only the catch-up, which later drafts need)."""
         # 1. Catch up: each position the target computed and kept, with the token that follows it.
         tokens, rows = [], []
         for r, new, end in zip(reqs, new_tokens, cu_end):
@@ -179,7 +180,7 @@ class EagleProposer(KVDrafter):
         # 2. Chain: draft j + 1 from the row fed with draft j at the next position.
         due = [i for i, new in enumerate(new_tokens) if new is not None]
         seq_lens = [reqs[i].end + len(new_tokens[i]) for i in due]  # known tokens incl. the bonus
-        budget = [self.budget(len(reqs[i].block_ids), t) for i, t in zip(due, seq_lens)]
+        budget = [self.budget(len(reqs[i].block_ids), t, max_drafts) for i, t in zip(due, seq_lens)]
         proposals: list[list[int] | None] = [None] * len(reqs)
         live = [a for a, b in enumerate(budget) if b > 0]  # indices into `due`
         if not live:

@@ -349,7 +349,14 @@ class ModelRunner:
             self._sample(reqs, sample_idx, hidden, cu_end, out, grammar_output)
             if self.async_scheduling:  # the next step, already scheduled, computes these tokens
                 self.input_batch.append_tokens([(reqs[i].state, out.sampled_token_ids[i]) for i in sample_idx])
-        if self.ngram is not None:  # each request's tokens from its batch row, then the new ones
+        spec = self.config.speculative_config
+        drafting = spec is not None and (spec.disable_by_batch_size is None or len(reqs) < spec.disable_by_batch_size)
+        if not drafting:  # a drafter with KV layers still catches up on this step's tokens, for later drafts
+            if self.drafter is not None and reqs:
+                self.drafter.propose(reqs, out.sampled_token_ids, self.sampling_metadata, max_drafts=0)
+            elif self.eagle is not None and reqs:
+                self.eagle.propose(reqs, out.sampled_token_ids, feats, cu_end, max_drafts=0)
+        elif self.ngram is not None:  # each request's tokens from its batch row, then the new ones
             tokens = self.input_batch.token_ids
             out.spec_token_ids = [
                 self.ngram.propose(np.concatenate((tokens[r.row, : r.num_tokens], new))) if new is not None else None

@@ -130,8 +130,8 @@ def _spy(llm: LLM) -> list[tuple[list[int], list[int]]]:
     runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     propose, seen = runner.eagle.propose, []
 
-    def spy(reqs, new_tokens, feats, cu_end):
-        drafts = propose(reqs, new_tokens, feats, cu_end)
+    def spy(reqs, new_tokens, feats, cu_end, **kw):
+        drafts = propose(reqs, new_tokens, feats, cu_end, **kw)
         seen.extend((r.state.token_slice(0, r.end) + list(new), d)
                     for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
         return drafts
@@ -186,6 +186,27 @@ def test_decode_plans_keep_the_layers_inputs(tmp_path, monkeypatch):
     without = _spy(llm)
     assert _ids(llm, GREEDY) == reference
     assert with_plans == without
+
+
+def test_off_above_a_batch_size_then_on_with_the_head_caught_up(tiny_llama, tmp_path):
+    """`disable_by_batch_size`: no drafts while 2 or more requests run; once one is left its drafts
+    resume and equal the reference's, so the head caught up on the steps it did not draft."""
+    config = _head_config(tiny_llama, draft_vocab=50)
+    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 8))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 30)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    reference = [o.outputs[0].token_ids for o in _engine(tiny_llama).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=1 << 24, speculative_config={
+        "method": "eagle3", "model": head, "num_speculative_tokens": K, "disable_by_batch_size": 2})
+    seen = _spy(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    drafted = [(seq, d) for seq, d in seen if d]
+    assert drafted and all(seq[: len(PROMPTS[2])] == PROMPTS[2] for seq, _ in drafted)  # the long one, alone
+    assert len(drafted[0][0]) > len(PROMPTS[2]) + 9  # only after the others finished
+    for seq, drafts in drafted[:: max(1, len(drafted) // 3)]:
+        assert drafts == _reference_drafts(tiny_llama, head, config, [2, 1, 0], seq, len(drafts)), seq
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 2"):
+        LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1})
 
 
 def _constant_head(model: str, path: str, token: int) -> str:
