@@ -1,8 +1,9 @@
 """EAGLE heads as drafters, in the Hub layout: each draft equals a transformers reference of the
 head over the target's own hidden states (Llama, Qwen3 and Gemma 3 targets); greedy output is
-identical to no speculation alone, in mixed batches, through chunked prompts, preemptions and
-prefix-cache hits; a head whose drafts are right has them all accepted; sampled output keeps
-the target's distribution; bad heads are clear errors."""
+identical to no speculation alone and in mixed batches; bad heads are clear errors. For EAGLE
+and EAGLE-3 heads alike (the proposer they share): through chunked prompts, preemptions and
+prefix-cache hits greedy output is unchanged; a head whose drafts are right has them all
+accepted, also at TP 2; sampled output keeps the target's distribution."""
 
 from __future__ import annotations
 
@@ -79,9 +80,29 @@ def _write_head(path: str, config: dict, tensors: dict[str, torch.Tensor], layou
     return path
 
 
-def _engine(model: str, head: str | None = None, k: int = K, **kwargs) -> LLM:
-    spec = {"method": "eagle", "model": head, "num_speculative_tokens": k} if head else None
-    return LLM(model, dtype="float32", kv_cache_memory=1 << 24, speculative_config=spec, **kwargs)
+def _engine(model: str, head: str | None = None, k: int = K, method: str = "eagle", **kwargs) -> LLM:
+    spec = {"method": method, "model": head, "num_speculative_tokens": k} if head else None
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model, kv_cache_memory=1 << 24, speculative_config=spec, **kwargs)
+
+
+def _random_head(method: str, model: str, path: str, seed: int) -> str:
+    """A random head of `method`'s layout for `model`, written to `path`."""
+    if method == "eagle":
+        config = _head_config(model)
+        return _write_head(path, config, _random_tensors(config, seed, False, False))
+    from tests.spec_decode import test_eagle3  # (it imports this module's helpers)
+
+    config = test_eagle3._head_config(model, draft_vocab=50)
+    return _write_head(path, config, test_eagle3._random_tensors(config, seed))
+
+
+def _constant_head_of(method: str, model: str, path: str, token: int) -> str:
+    if method == "eagle":
+        return _constant_head(model, path, token)
+    from tests.spec_decode import test_eagle3
+
+    return test_eagle3._constant_head(model, path, token)
 
 
 def _ids(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]:
@@ -169,40 +190,42 @@ def _constant_head(model: str, path: str, token: int) -> str:
     return _write_head(path, config, tensors)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_right_drafts_are_all_accepted(tp, tiny_llama, tmp_path):
+def test_right_drafts_are_all_accepted(tp, method, tiny_llama, tmp_path):
     """Also across two tensor-parallel worker processes, whose ranks each hold half the head's layer."""
     token = 77
-    head = _constant_head(tiny_llama, str(tmp_path / "const"), token)
+    head = _constant_head_of(method, tiny_llama, str(tmp_path / "const"), token)
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logit_bias={token: 100.0})
-    llm = _engine(tiny_llama, head, tensor_parallel_size=tp)
+    llm = _engine(tiny_llama, head, method=method, tensor_parallel_size=tp)
     assert _ids(llm, params) == [[token] * 17] * len(PROMPTS) == _ids(_engine(tiny_llama), params)
     m = llm.get_metrics()
     assert m["pagedllm:spec_decode_acceptance_rate"] > 0.95
     assert m["pagedllm:spec_decode_mean_acceptance_length"] > K
 
 
-def test_chunking_preemption_and_prefix_cache_keep_greedy(tiny_llama, tmp_path):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_chunking_preemption_and_prefix_cache_keep_greedy(method, tiny_llama, tmp_path):
     """A token budget of 10 cuts prompts and verifications into pieces, 6 blocks of 16 force
     preemptions, the repeated prompts hit the prefix cache."""
-    config = _head_config(tiny_llama)
-    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 4, False, False))
+    head = _random_head(method, tiny_llama, str(tmp_path / "head"), 4)
     reference = _ids(_engine(tiny_llama), GREEDY)
     llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=10, num_gpu_blocks_override=6, max_model_len=64,
-              speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": K})
+              speculative_config={"method": method, "model": head, "num_speculative_tokens": K})
     assert _ids(llm, GREEDY, PROMPTS + PROMPTS) == reference + reference
     m = llm.get_metrics()
     assert m["pagedllm:num_preemptions"] > 0 and m["pagedllm:prefix_cache_hits"] > 0
 
 
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tmp_path):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_sampled_tokens_follow_the_target_distribution(method, tiny_llama, tmp_path):
     """A head that always drafts the likeliest 2nd token: the target's own marginals for the 2nd
     and 3rd tokens, with both verification paths (accepted, resampled) taken."""
     prompt = [5, 6, 7, 8, 9]
     temperature, top_k = 1.5, 4
     second, third = _exact_marginals(tiny_llama, prompt, temperature, top_k)
-    head = _constant_head(tiny_llama, str(tmp_path / "const"), max(second, key=second.get))
-    llm = _engine(tiny_llama, head, k=2)
+    head = _constant_head_of(method, tiny_llama, str(tmp_path / "const"), max(second, key=second.get))
+    llm = _engine(tiny_llama, head, k=2, method=method)
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(1500)]
     counts2, counts3 = _second_and_third_counts(llm, prompt, params)
