@@ -23,8 +23,10 @@ KEYS = ("drafts", "draft_tokens", "accepted_tokens")
 
 
 def counters(llm: LLM) -> dict[str, float]:
+    """The speculation counters, and the accepted drafts at each position (`at:N`)."""
     m = llm.get_metrics()
-    return {k: m.get(f"pagedllm:spec_decode_num_{k}", 0.0) for k in KEYS}
+    out = {k: m.get(f"pagedllm:spec_decode_num_{k}", 0.0) for k in KEYS}
+    return out | {f"at:{k.rsplit(':', 1)[1]}": v for k, v in m.items() if "spec_decode_accepted_at:" in k}
 
 
 def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]], dict]:
@@ -42,7 +44,7 @@ def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[i
         t2 = time.perf_counter()
         decode += (t2 - t1) - (t1 - t0)
     after = counters(llm)
-    return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before[k] for k in KEYS}
+    return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before.get(k, 0.0) for k in after}
 
 
 def batched(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -65,6 +67,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=len(HELD_OUT))
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch16", action="store_true", help="also all prompts at once, 16 at a time")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's, for every method")
+    ap.add_argument("--no-batch1", action="store_true", help="only the batch-16 run (with --batch16)")
     args = ap.parse_args()
 
     from train_eagle import chat_ids
@@ -75,16 +79,23 @@ def main() -> None:
     configs = [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": args.ngram_k})]
     configs += [(f"{args.method} k={k}", {"method": args.method, "model": args.head, "num_speculative_tokens": k})
                 for k in args.k]
+    if args.disable_by_batch_size:
+        for _, spec in configs[1:]:
+            spec["disable_by_batch_size"] = args.disable_by_batch_size
     rows, reference, reference16 = [], None, None
     for name, spec in configs:
         llm = engine(spec)
         prompts = [{"prompt_token_ids": chat_ids(llm.get_tokenizer(), p)} for p in HELD_OUT[: args.num_prompts]]
-        tpot, outs, c = batch1(llm, prompts, args.max_tokens)
-        reference = reference or outs
-        row = {"config": name, "batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
-        if c["drafts"]:
-            row["mean_acceptance_length"] = round(1 + c["accepted_tokens"] / c["drafts"], 3)
-            row["acceptance_rate"] = round(c["accepted_tokens"] / c["draft_tokens"], 3)
+        row = {"config": name}
+        if not args.no_batch1:
+            tpot, outs, c = batch1(llm, prompts, args.max_tokens)
+            reference = reference or outs
+            row |= {"batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
+            if c["drafts"]:
+                row["mean_acceptance_length"] = round(1 + c["accepted_tokens"] / c["drafts"], 3)
+                row["acceptance_rate"] = round(c["accepted_tokens"] / c["draft_tokens"], 3)
+                positions = sorted((int(k[3:]), v) for k, v in c.items() if k.startswith("at:"))
+                row["accepted_per_position"] = [round(v / c["drafts"], 3) for _, v in positions]
         if args.batch16:
             del llm
             llm = engine(spec, max_num_seqs=16)
@@ -95,11 +106,15 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
-    base = rows[0]["batch1_tpot_ms"]
     for row in rows:
-        print(f"{row['config']:>12}: batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({base / row['batch1_tpot_ms']:.2f}x)"
-              f"  acceptance length {row.get('mean_acceptance_length', '-')}"
-              + (f"  batch 16 {row['batch16_tok_s']} tok/s" if "batch16_tok_s" in row else ""))
+        line = f"{row['config']:>12}:"
+        if "batch1_tpot_ms" in row:
+            speedup = rows[0]["batch1_tpot_ms"] / row["batch1_tpot_ms"]
+            line += (f" batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({speedup:.2f}x)"
+                     f"  acceptance length {row.get('mean_acceptance_length', '-')}")
+        if "batch16_tok_s" in row:
+            line += f"  batch 16 {row['batch16_tok_s']} tok/s"
+        print(line)
 
 
 if __name__ == "__main__":
