@@ -83,9 +83,10 @@ class Eagle3Head(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The pre-norm output, from the target's fused layers (wider than H) or the head's own rows."""
+        hidden = hidden.to(embeds.dtype)
         if hidden.shape[-1] != embeds.shape[-1]:
-            hidden = self.fc(hidden.to(embeds.dtype))
-        return self.layer(positions, embeds, hidden.to(embeds.dtype))
+            hidden = self.fc(hidden)
+        return self.layer(positions, embeds, hidden)
 
     def draft(self, out: torch.Tensor) -> torch.Tensor:
         """The likeliest target token id per row."""
@@ -120,8 +121,8 @@ def load_eagle3_head(path: str, config: Any, num_aux: int, dtype: torch.dtype, d
     if fc != tuple(head.fc.weight.shape):
         raise ValueError(f"EAGLE-3 head at {path!r}: fc.weight is {list(fc)}, expected {list(head.fc.weight.shape)} "
                          f"({num_aux} target layers of {config.hidden_size})")
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    del t2d  # the inverse map: not needed to draft
+    d2t = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)  # the inverse map: not needed to draft
     if d2t is None and head.draft_vocab_size != config.vocab_size:
         raise ValueError(f"EAGLE-3 head at {path!r}: a draft vocabulary of {head.draft_vocab_size} needs 'd2t'")
     if d2t is not None:
