@@ -1,6 +1,7 @@
 """A real model written as a pre-quantized Hugging Face checkpoint by round-to-nearest, in each
-layout pagedllm reads (GPTQ, AWQ, compressed-tensors W4A16 / int8 W8A8 / FP8, FP8), for speed,
-memory and perplexity of each format on real weights. The packing is the tests' own
+layout pagedllm reads (GPTQ, AWQ, compressed-tensors W4A16 / int8 W8A8 / FP8, FP8 per tensor or
+per 128 x 128 block), for speed, memory and perplexity of each format on real weights. The
+packing is the tests' own
 (tests/transformers_utils/quant_writers.py, which follows each tool's layout); a GGUF source is
 dequantized to float32 by transformers first, and takes pagedllm's tokenizer files for it.
 
@@ -29,6 +30,7 @@ METHODS = {
     "w8a8": (write_8bit, dict(method="compressed-tensors", fmt="int-quantized", strategy="channel")),
     "ct-fp8": (write_8bit, dict(method="compressed-tensors", fmt="float-quantized", strategy="channel")),
     "fp8": (write_8bit, dict(method="fp8")),
+    "fp8-block": (write_8bit, dict(method="fp8", strategy="block", block=(128, 128))),  # DeepSeek-V3 / Qwen3 FP8
 }
 
 

@@ -20,6 +20,9 @@ _PARTS = {
 }
 # Formats whose quantized weight is a plain `weight` tensor (int8, or float8 e4m3) beside its scale
 _UNPACKED_PARTS = ({"weight", "weight_scale"}, {"input_scale", "input_zero_point", "weight_zero_point"})
+# FP8 with block-wise scales (`weight_block_size`), as DeepSeek-V3's and Qwen3's FP8 checkpoints
+# write it: the scale, one per block of outputs x inputs, is named `weight_scale_inv`.
+_BLOCK_FP8_PARTS = ({"weight", "weight_scale_inv"}, {"input_scale"})
 _STORED_DTYPES = {"int8": torch.int8, "float8": torch.float8_e4m3fn}
 
 
@@ -32,10 +35,13 @@ class QuantFormat:
     group_size: int  # -1: one group over all inputs
     zero_offset: int = 0  # GPTQ's original format stores zero points minus one
     storage: str = "packed"  # int32 words of 4/8-bit values; or "int8" / "float8": a `weight` of that type
+    weight_block: tuple[int, int] | None = None  # float8 scales per block of (outputs, inputs)
 
     @property
     def parts(self) -> tuple[set[str], set[str]]:
-        return _PARTS[self.method] if self.storage == "packed" else _UNPACKED_PARTS
+        if self.storage == "packed":
+            return _PARTS[self.method]
+        return _BLOCK_FP8_PARTS if self.method == "fp8" and self.weight_block else _UNPACKED_PARTS
 
     def is_part(self, part: str, tensor: Any) -> bool:
         """Whether a checkpoint tensor named `<module>.<part>` is one of a quantized module's
@@ -69,10 +75,10 @@ def read_quant_format(hf_config: Any) -> QuantFormat | None:
     elif method == "compressed-tensors":
         fmt = _compressed_tensors_format(qc)
     elif method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError(f"fp8 with weight_block_size {qc['weight_block_size']} is not supported (scales per "
-                             "tensor or per output channel are)")
-        fmt = QuantFormat("fp8", 8, -1, storage="float8")
+        if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+            raise ValueError(f"fp8 with fmt {qc['fmt']!r} is not supported (e4m3 weights are)")
+        fmt = QuantFormat("fp8", 8, -1, storage="float8",
+                          weight_block=_weight_block(qc.get("weight_block_size"), "fp8 weight_block_size"))
     else:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; pagedllm reads "
                          f"{', '.join(CHECKPOINT_METHODS)} checkpoints (and GGUF files)")
@@ -85,11 +91,22 @@ def read_quant_format(hf_config: Any) -> QuantFormat | None:
     return fmt
 
 
+def _weight_block(block: Any, what: str) -> tuple[int, int] | None:
+    """A block-wise scale's (outputs, inputs) extent; its inputs must be whole blocks of 32, the
+    kernels' scale granularity."""
+    if not block:
+        return None
+    if len(block) != 2 or min(int(b) for b in block) <= 0 or int(block[1]) % BLOCK:
+        raise ValueError(f"{what} {list(block)} is not supported: [outputs, inputs] with inputs a multiple of "
+                         f"{BLOCK} (as [128, 128]) is")
+    return int(block[0]), int(block[1])
+
+
 # compressed-tensors formats: (the weights' type, their storage, the strategies taken)
 _CT_FORMATS = {
     "pack-quantized": ("int", "packed", ("group", "channel")),
     "int-quantized": ("int", "int8", ("group", "channel", "tensor")),
-    "float-quantized": ("float", "float8", ("channel", "tensor")),
+    "float-quantized": ("float", "float8", ("channel", "tensor", "block")),
 }
 
 
@@ -119,4 +136,7 @@ def _compressed_tensors_format(qc: dict) -> QuantFormat:
     if storage != "packed" and bits != 8:
         raise ValueError(f"compressed-tensors {fmt} with {bits}-bit weights is not supported (8-bit is)")
     group = int(weights.get("group_size") or -1) if weights["strategy"] == "group" else -1
-    return QuantFormat("compressed-tensors", bits, group, storage=storage)
+    block = None
+    if weights["strategy"] == "block":
+        block = _weight_block(weights.get("block_structure") or [0], "compressed-tensors block_structure")
+    return QuantFormat("compressed-tensors", bits, group, storage=storage, weight_block=block)

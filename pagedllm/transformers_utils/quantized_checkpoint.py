@@ -8,7 +8,9 @@ a time, into GGUF blocks (`int_blocks`): the layers then hold them as they hold 
 not in input order) sorts the inputs by group, so every block of 32 has one scale; the layer
 gathers its input columns in that order (`BlockTensor.input_perm`). A scale per output channel
 or per tensor (int8 W8A8, FP8) stays a float32 factor on the layer's outputs
-(`BlockTensor.out_scale`), so it needs no float16 form. Float8 weights become int8 blocks with
+(`BlockTensor.out_scale`), so it needs no float16 form; block-wise FP8 scales (DeepSeek-V3's,
+Qwen3's FP8 checkpoints) give each row its largest as that factor and each block of 32 its
+ratio to it in the block's float16 scale. Float8 weights become int8 blocks with
 power-of-two scales (`int_blocks.float_blocks`: exact for all but a block's smallest values).
 The checkpoint's activation scales are not used: the kernels quantize activations to int8 per
 32 values at run time, as for GGUF files.
@@ -16,7 +18,7 @@ The checkpoint's activation scales are not used: the kernels quantize activation
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -143,16 +145,20 @@ _CHUNK_ROWS = 512  # rows repacked at once: bounds the float32 temporaries of a 
 def _repack_unpacked(fmt: QuantFormat, name: str, parts: dict[str, np.ndarray]) -> BlockTensor:
     """An int8 or float8 (its bytes) `weight` [N, K] with its scale as Q8_0 blocks: a scale per
     tensor or per output channel becomes a float32 factor on the outputs; per group of inputs
-    (int8 only) the blocks' float16 scales. Written a slice of rows at a time into the blocks."""
-    weight, scale = parts["weight"], parts["weight_scale"].astype(np.float32)
+    (int8 only) the blocks' float16 scales; per block of outputs x inputs (float8) both.
+    Written a slice of rows at a time into the blocks."""
+    weight = parts["weight"]
+    scale = parts["weight_scale_inv" if "weight_scale_inv" in parts else "weight_scale"].astype(np.float32)
     n, k = weight.shape
     zero = parts.get("weight_zero_point")
     if zero is not None and np.any(zero != 0):
         raise ValueError(f"{name}: asymmetric weights (a nonzero weight_zero_point) are not supported")
     if k % BLOCK:
         raise ValueError(f"{name}: {k} inputs are not whole blocks of {BLOCK}")
-    out_scale, group_scales = None, None
-    if scale.size in (1, n):
+    out_scale, group_scales, tile_scales = None, None, None
+    if fmt.weight_block:
+        out_scale, tile_scales = _block_scales(fmt.weight_block, scale, n, k, name)
+    elif scale.size in (1, n):
         out_scale = torch.from_numpy(np.broadcast_to(scale.reshape(-1), (n,)).copy())
     elif fmt.storage == "int8" and scale.size % n == 0 and k % (scale.size // n) == 0 \
             and (k // (scale.size // n)) % BLOCK == 0:
@@ -167,12 +173,36 @@ def _repack_unpacked(fmt: QuantFormat, name: str, parts: dict[str, np.ndarray]) 
         if fmt.storage == "float8":
             values, block_scales, _ = float_blocks(torch.from_numpy(weight[rows]).view(torch.float8_e4m3fn)
                                                    .float().numpy())
+            if tile_scales is not None:  # each block's share of its tile's scale, rounded once to float16
+                block_scales = (block_scales.astype(np.float32) * tile_scales(rows)).astype(np.float16)
         else:
             values = weight[rows]
             block_scales = group_scales[rows] if group_scales is not None else \
                 np.ones((values.shape[0], k // BLOCK), np.float16)
         encode_blocks(values, block_scales, out=blocks[rows])
     return BlockTensor(name + ".weight", Q8_0, torch.from_numpy(blocks), k, None, out_scale)
+
+
+def _block_scales(block: tuple[int, int], scale: np.ndarray, n: int, k: int,
+                  name: str) -> tuple[torch.Tensor, Callable[[slice], np.ndarray]]:
+    """Block-wise float8 scales ([ceil(N / bn), ceil(K / bk)]) as a float32 factor per output row
+    (its largest tile scale) and, for rows, each 32-input block's ratio to it (in (0, 1]), which
+    the block's float16 scale takes on: one rounding to float16's 11 bits per block."""
+    bn, bk = block
+    tiles = (-(-n // bn), -(-k // bk))
+    if scale.shape != tiles:
+        raise ValueError(f"{name}: a block scale of shape {scale.shape} for a [{n}, {k}] weight in blocks of "
+                         f"[{bn}, {bk}]: {list(tiles)} expected")
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError(f"{name}: its block scales must be positive and finite")
+    out_scale = scale.max(axis=1).repeat(bn)[:n]
+
+    def ratios(rows: slice) -> np.ndarray:
+        tile_rows = scale[np.arange(rows.start, rows.stop) // bn]  # [rows, K / bk]
+        per_block = np.repeat(tile_rows, bk // BLOCK, axis=1)[:, : k // BLOCK]
+        return per_block / out_scale[rows, None]
+
+    return torch.from_numpy(np.ascontiguousarray(out_scale)), ratios
 
 
 def iterate_quantized(weights: Iterator[tuple[str, Any]], fmt: QuantFormat) -> Iterator[tuple[str, Any]]:

@@ -130,12 +130,14 @@ def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool, v2: b
 
 
 def write_8bit(src: Path, dst: Path, method: str, fmt: str = "", strategy: str = "channel", group: int = 64,
-               static: bool = False, scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+               static: bool = False, scale_dtype: torch.dtype = torch.float32,
+               block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
     """`src` quantized into an 8-bit checkpoint with weights in a plain `weight` tensor: an FP8
     checkpoint (`method` "fp8": e4m3, one scale per tensor) or compressed-tensors `fmt`
     "float-quantized" (e4m3) / "int-quantized" (int8 W8A8), per `strategy` (tensor, channel, or
-    group of `group` inputs for int8). `static`: with activation scales (input_scale). Returns
-    the dequantized state dict."""
+    group of `group` inputs for int8), or block-wise float8 (`strategy` "block": a scale per
+    `block` of outputs x inputs, as `weight_scale_inv` in an FP8 checkpoint). `static`: with
+    activation scales (input_scale). Returns the dequantized state dict."""
     from safetensors.torch import load_file
 
     state = load_file(str(src / "model.safetensors"))
@@ -147,6 +149,9 @@ def write_8bit(src: Path, dst: Path, method: str, fmt: str = "", strategy: str =
             out[name] = ref[name] = tensor
             continue
         w = tensor.float()
+        if strategy == "block":
+            out.update(_fp8_blocks(prefix, w, block, scale_dtype, method, ref))
+            continue
         top = w.abs().amax() if method == "fp8" or strategy == "tensor" else \
             w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else \
             w.abs().view(w.shape[0], -1, group).amax(dim=-1)
@@ -162,18 +167,37 @@ def write_8bit(src: Path, dst: Path, method: str, fmt: str = "", strategy: str =
         out[prefix + ".weight_scale"] = scale.to(scale_dtype).reshape(() if method == "fp8" else scale.shape)
         if static:
             out[prefix + ".input_scale"] = torch.tensor(0.05 if is_float else 0.01, dtype=torch.float32)
-    _write_checkpoint(src, dst, out, config_8bit(method, fmt, strategy, group, static))
+    _write_checkpoint(src, dst, out, config_8bit(method, fmt, strategy, group, static, block))
     return ref
 
 
-def config_8bit(method: str, fmt: str = "", strategy: str = "channel", group: int = 64, static: bool = False) -> dict:
+def _fp8_blocks(prefix: str, w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype, method: str,
+                ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One weight as e4m3 with a scale per block of outputs x inputs (the last ones partial)."""
+    bn, bk = block
+    n, k = w.shape
+    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    padded[:n, :k] = w
+    tiles = padded.view(padded.shape[0] // bn, bn, -1, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0).to(scale_dtype).float()
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref[prefix + ".weight"] = q.float() * full
+    suffix = ".weight_scale_inv" if method == "fp8" else ".weight_scale"
+    return {prefix + ".weight": q, prefix + suffix: scale.to(scale_dtype)}
+
+
+def config_8bit(method: str, fmt: str = "", strategy: str = "channel", group: int = 64, static: bool = False,
+                block: tuple[int, int] = (128, 128)) -> dict:
     if method == "fp8":
+        blocks = {"weight_block_size": list(block)} if strategy == "block" else {}
         return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
-                "ignored_layers": ["lm_head"]}
+                "ignored_layers": ["lm_head"], **blocks}
     kind = "float" if fmt == "float-quantized" else "int"
     acts = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": not static,
             "strategy": "tensor" if static else "token"}
     return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
                 "num_bits": 8, "type": kind, "symmetric": True, "dynamic": False, "strategy": strategy,
-                "group_size": group if strategy == "group" else None}}}}
+                "group_size": group if strategy == "group" else None,
+                "block_structure": list(block) if strategy == "block" else None}}}}

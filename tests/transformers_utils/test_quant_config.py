@@ -19,6 +19,9 @@ from tests.transformers_utils.quant_writers import _config, config_8bit
     (config_8bit("compressed-tensors", "float-quantized"), QuantFormat("compressed-tensors", 8, -1, storage="float8")),
     (config_8bit("compressed-tensors", "int-quantized", "group", 64),
      QuantFormat("compressed-tensors", 8, 64, storage="int8")),
+    (config_8bit("fp8", strategy="block"), QuantFormat("fp8", 8, -1, storage="float8", weight_block=(128, 128))),
+    (config_8bit("compressed-tensors", "float-quantized", "block", block=(64, 32)),
+     QuantFormat("compressed-tensors", 8, -1, storage="float8", weight_block=(64, 32))),
 ])
 def test_formats_read_from_the_config(config, want):
     assert read_quant_format(PretrainedConfig(quantization_config=config)) == want
@@ -27,12 +30,17 @@ def test_formats_read_from_the_config(config, want):
 
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 48]}, r"weight_block_size \[128, 48\] is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size \[128\]"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {}}, "naive-quantized"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "kv_cache_scheme": {"num_bits": 8}},
      "kv_cache_scheme"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}},
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 16]}}}},
+     r"block_structure \[128, 16\]"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "int", "strategy": "block", "block_structure": [128, 128]}}}},
      "strategy 'block'"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}, "4-bit weights"),

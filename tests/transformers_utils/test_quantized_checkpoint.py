@@ -132,6 +132,55 @@ def test_8bit_repack(tmp_path, case):
                                else ref.abs().amax().expand(64), rtol=0.07, atol=0)
 
 
+@pytest.mark.parametrize("method, fmt, block", [("fp8", "", (16, 128)), ("fp8", "", (128, 128)),
+                                               ("compressed-tensors", "float-quantized", (24, 96))])
+def test_block_wise_fp8_repack(tmp_path, method, fmt, block):
+    """Float8 with a scale per block of outputs x inputs (DeepSeek-V3's and Qwen3's FP8 layout,
+    `weight_scale_inv`; compressed-tensors' "block" strategy), including partial last blocks
+    (24 x 96 over [64, 256]): each row's largest block scale is its float32 factor, and each block of
+    32 carries its ratio to it in its float16 scale. Values within 2^3 of a block's largest are then
+    the checkpoint's up to that one float16 rounding of the scale (2^-11); smaller ones move by at
+    most half a step."""
+    from safetensors import safe_open
+
+    src = _layer_dir(tmp_path)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:  # rows of very different magnitudes
+        w = f.get_tensor("model.layers.0.mlp.up_proj.weight") * torch.logspace(-2, 1, 64)[:, None]
+    from safetensors.torch import save_file
+    save_file({"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(256)},
+              str(src / "model.safetensors"))
+    ref = write_8bit(src, tmp_path / "q", method, fmt, "block", block=block)["model.layers.0.mlp.up_proj.weight"]
+    fmt_read = read_quant_format(PretrainedConfig(quantization_config=config_8bit(method, fmt, "block",
+                                                                                   block=block)))
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+    stored = dict(tensors)
+    scale = stored["model.layers.0.mlp.up_proj." + ("weight_scale_inv" if method == "fp8" else "weight_scale")]
+    assert scale.shape == (-(-64 // block[0]), -(-256 // block[1]))
+    weight = dict(iterate_quantized(iter(tensors), fmt_read))["model.layers.0.mlp.up_proj.weight"]
+    assert weight.qtype == int_blocks.Q8_0
+    torch.testing.assert_close(weight.out_scale, scale.amax(dim=1).repeat_interleave(block[0])[:64])
+    deq = weight.load().view(64, -1, 32)
+    ref = ref.view(64, -1, 32)
+    top = ref.abs().amax(dim=-1, keepdim=True)
+    e4m3 = stored["model.layers.0.mlp.up_proj.weight"].float().view(64, -1, 32)
+    big = e4m3.abs() >= 8 * torch.exp2(torch.floor(torch.log2(e4m3.abs().amax(dim=-1, keepdim=True))) - 6)
+    assert big.float().mean() > 0.8
+    assert torch.all((deq - ref)[big].abs() <= ref[big].abs() * 2.0 ** -11)
+    assert torch.all((deq - ref).abs() <= top * (2.0 ** -7 + 2.0 ** -10))  # half a step, plus the scale's rounding
+
+
+def test_block_wise_fp8_scales_of_the_wrong_shape_are_named(tmp_path):
+    src = _layer_dir(tmp_path)
+    write_8bit(src, tmp_path / "q", "fp8", strategy="block", block=(32, 128))
+    fmt = read_quant_format(PretrainedConfig(quantization_config=config_8bit("fp8", strategy="block", block=(64, 128))))
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+    with pytest.raises(ValueError, match=r"up_proj: a block scale of shape \(2, 2\) .* \[1, 2\] expected"):
+        dict(iterate_quantized(iter(tensors), fmt))
+
+
 def test_float_blocks_round_small_values_to_the_block_step():
     values = np.zeros((1, 32), np.float32)
     values[0, :4] = [448.0, -0.875, 3.25, 0.001953125]  # e4m3: 1.75 * 2^8, -1.75 * 2^-1, 1.625 * 2, 2^-9

@@ -26,6 +26,7 @@ CASES = {
     "compressed-tensors-w4a16": dict(method="compressed-tensors", bits=4, group=64, sym=True),
     # 8-bit weights in a plain `weight` tensor (write_8bit)
     "fp8-static": dict(method="fp8", static=True),
+    "fp8-block": dict(method="fp8", strategy="block", block=(64, 128)),  # DeepSeek-V3's / Qwen3's FP8 layout
     "compressed-tensors-fp8": dict(method="compressed-tensors", fmt="float-quantized", strategy="channel"),
     "compressed-tensors-w8a8": dict(method="compressed-tensors", fmt="int-quantized", strategy="channel"),
 }
@@ -69,7 +70,8 @@ def quantized(float_model, root, case: dict):
 # Float8 weights are blocked with a rounding of their smallest values (int_blocks.float_blocks),
 # so even the float path is near, not equal, to the reference.
 RUNS = [(name, False) for name in CASES] + [("gptq-int4", True), ("gptq-int4-act-order", True), ("gptq-int8", True),
-                                            ("fp8-static", True), ("compressed-tensors-w8a8", True)]
+                                            ("fp8-static", True), ("fp8-block", True),
+                                            ("compressed-tensors-w8a8", True)]
 
 
 @pytest.mark.parametrize("name, kernels", RUNS, ids=[f"{n}-{'kernels' if k else 'float'}" for n, k in RUNS])
