@@ -209,15 +209,16 @@ class MedusaConfig:
 class SpeculativeConfig:
     """Draft tokens proposed each step and verified by the target in one forward pass."""
 
-    method: str  # "ngram", "draft_model", "medusa", "eagle" or "eagle3"
+    method: str  # "ngram", "draft_model", "medusa", "eagle", "eagle3" or "mtp"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int = 0  # ngram: longest
     model: str | None = None  # draft_model / medusa / eagle(3): the draft model's or head's name or path, as given
     draft_model_config: ModelConfig | None = None  # draft_model only
-    heads_path: str | None = None  # medusa / eagle(3): the head's resolved directory
+    heads_path: str | None = None  # medusa / eagle(3): the head's resolved directory; mtp: the target's
     medusa_config: MedusaConfig | None = None  # medusa only
-    eagle_config: Any = None  # eagle(3) only: the head's transformers config (its decoder layers' shape)
+    # eagle(3): the head's transformers config (its decoder layers' shape); mtp: the target's text config
+    eagle_config: Any = None
     # No drafts are proposed after a step that ran at least this many requests (None: always):
     # on a CPU, k + 1 rows per request cost nearly k + 1 times one once the batch is compute-bound.
     disable_by_batch_size: int | None = None
@@ -229,8 +230,10 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method in KV_DRAFTERS else 0
 
 
-KV_DRAFTERS = ("draft_model", "eagle", "eagle3")  # the drafters with layers of their own in the paged KV cache
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+# the drafters with layers of their own in the paged KV cache
+KV_DRAFTERS = ("draft_model", "eagle", "eagle3", "mtp")
+EAGLE_METHODS = ("eagle", "eagle3", "mtp")  # the drafters on the target's hidden states (spec_decode/eagle.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", *EAGLE_METHODS)
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -284,8 +287,8 @@ def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: boo
     if layers < pp:
         raise ValueError(f"pipeline_parallel_size={pp} is more than the {layers} layers of {model_config.model}")
     if draft_model:
-        raise ValueError("a draft model or an EAGLE head (speculative decoding) needs pipeline_parallel_size=1; "
-                         "ngram works")
+        raise ValueError("a draft model, an EAGLE head or MTP layers (speculative decoding) need "
+                         "pipeline_parallel_size=1; ngram works")
 
 
 def check_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
@@ -498,6 +501,9 @@ def build_model_config(
     draft model."""
     from transformers import AutoConfig
 
+    from pagedllm.transformers_utils.mimo_config import register_mimo_config
+
+    register_mimo_config()
     hf_config = AutoConfig.from_pretrained(hf_config_path or model_path, trust_remote_code=trust_remote_code)
     text_config = hf_config.get_text_config()
     derived_max = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -556,6 +562,9 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
                 f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
         config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
+        return config
+    if method == "mtp":  # the target's own layers: `model` may name the target, or be left out
+        config.model = spec.get("model")
         return config
     if not spec.get("model"):
         what = {"draft_model": "the draft model", "medusa": "the Medusa heads", "eagle": "the EAGLE head",

@@ -43,6 +43,7 @@ from pagedllm.config import (
 from pagedllm.model_executor.models.registry import ModelRegistry
 from pagedllm.spec_decode.eagle import eagle_config
 from pagedllm.spec_decode.medusa import medusa_config
+from pagedllm.spec_decode.mtp import mtp_config
 from pagedllm.structured_output.reasoner import THINK_TAGS
 from pagedllm.transformers_utils.default_model import DEFAULT_POOLING_MODEL
 from pagedllm.transformers_utils.model_path import (
@@ -128,7 +129,8 @@ class EngineArgs:
     speculative_config: dict | str | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or '
               '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or '
-              '\'{"method": "medusa" | "eagle" | "eagle3", "model": HEAD_PATH, "num_speculative_tokens": 3}\'')
+              '\'{"method": "medusa" | "eagle" | "eagle3", "model": HEAD_PATH, "num_speculative_tokens": 3}\'; '
+              '"mtp" (no model) drafts with the target\'s own MTP layers')
     reasoning_parser: str | None = _arg(None, "the model thinks first, in <think> tags: the server returns that as "
                                               "reasoning_content, and structured outputs constrain only the answer "
                                               "after it", choices=tuple(sorted(THINK_TAGS)))
@@ -296,7 +298,10 @@ class EngineArgs:
                 self.quantization,
             )
             check_tensor_parallel(speculative_config.draft_model_config, parallel_config.tensor_parallel_size)
-        if speculative_config is not None and speculative_config.method in ("medusa", "eagle", "eagle3"):
+        if speculative_config is not None and speculative_config.method == "mtp":
+            speculative_config.heads_path = model_config.model_path
+            speculative_config.eagle_config = mtp_config(model_config, speculative_config.model)
+        elif speculative_config is not None and speculative_config.method in ("medusa", "eagle", "eagle3"):
             speculative_config.heads_path = resolve_model_path(speculative_config.model)
             if speculative_config.method == "medusa":
                 speculative_config.medusa_config = medusa_config(speculative_config, speculative_config.heads_path,

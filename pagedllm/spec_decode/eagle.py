@@ -34,6 +34,7 @@ from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderStack, l
 from pagedllm.spec_decode.draft_model import InputBuilder, KVDrafter
 from pagedllm.spec_decode.eagle3 import aux_layer_ids, check_eagle3_config, load_eagle3_head
 from pagedllm.spec_decode.head_files import load_head_tensors
+from pagedllm.spec_decode.mtp import load_mtp_head
 
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -122,8 +123,9 @@ def _trunk(target: nn.Module) -> DecoderStack:
 
 
 class EagleProposer(KVDrafter):
-    """EAGLE (`method` "eagle": the target's final hidden states, its LM head) and EAGLE-3
-    ("eagle3": the residual stream at three target layers, the head's own draft vocabulary)."""
+    """EAGLE (`method` "eagle": the target's final hidden states, its LM head), EAGLE-3
+    ("eagle3": the residual stream at three target layers, the head's own draft vocabulary) and
+    MTP ("mtp": as EAGLE, with the target's own MTP layer for the head, spec_decode/mtp.py)."""
 
     def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device,
                  prepare_inputs: InputBuilder) -> None:
@@ -141,7 +143,10 @@ class EagleProposer(KVDrafter):
             self.trunk.aux_hidden_layers = aux  # its forward (or decode plan) keeps their inputs
             self.draft = self.head.draft
         else:
-            self.head = load_eagle_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
+            if spec.method == "mtp":
+                self.head = load_mtp_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
+            else:
+                self.head = load_eagle_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
             self.draft = lambda out: greedy_argmax(target.compute_logits(out))
         self.embed = self.head.embed_tokens or getattr(getattr(target, "model", None), "embed_tokens", None)
         if self.embed is None:

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EAGLE_METHODS, EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_group
 from pagedllm.forward_context import exact_logit_rows, set_forward_context
@@ -98,7 +98,7 @@ class ModelRunner:
         elif spec is not None and spec.method == "medusa":
             self.medusa = MedusaProposer(spec.heads_path, spec.medusa_config, spec.num_speculative_tokens,
                                          config.model_config.dtype, self.device)
-        elif spec is not None and spec.method in ("eagle", "eagle3"):
+        elif spec is not None and spec.method in EAGLE_METHODS:
             self.eagle = EagleProposer(config, self.model, self.device, prepare_inputs)
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
