@@ -91,8 +91,9 @@ def test_linear_matches_dequantized_matmul(qtype, k):
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_a_rows_result_does_not_depend_on_its_batch(qtype, long_rows):
     """Same bits for a row alone, in batches of 5 (a weight row at a time), 8 and 11 (panels, a
-    short last tile) and 64 (every tile position). Long rows: more than 8 units (9 super-blocks,
-    73 blocks), so the per-unit lanes wrap."""
+    short last tile), 64 (every tile position) and 263 (panels met in passes of 256 rows, the
+    last a short one). Long rows: more than 8 units (9 super-blocks, 73 blocks), so the per-unit
+    lanes wrap."""
     if not _kernels_built():
         pytest.skip("the torch fallback makes no such promise")
     if long_rows:
@@ -101,14 +102,19 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype, long_rows):
         k = 512 if qtype >= 12 else 352  # legacy: 11 blocks, a whole group of 8 and a short one
     raw = _weight(qtype, N + 3, k)  # an odd row count: a partial weight block and panel
     w = torch.from_numpy(raw)
-    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
-    y64 = gguf_ops.gguf_linear(x, qtype, w, k)
-    assert _rel(y64, x.double() @ _dequantized(qtype, raw, k).double().T) < 1e-2
+    x = torch.randn(263, k, generator=torch.Generator().manual_seed(2))
+    y64 = gguf_ops.gguf_linear(x[:64], qtype, w, k)
+    assert _rel(y64, x[:64].double() @ _dequantized(qtype, raw, k).double().T) < 1e-2
     for i in (0, 1, 2, 3, 37, 63):
         assert torch.equal(gguf_ops.gguf_linear(x[i : i + 1], qtype, w, k), y64[i : i + 1]), i
     for start, size in ((0, 5), (2, 5), (59, 5), (0, 8), (50, 11)):
         got = gguf_ops.gguf_linear(x[start : start + size], qtype, w, k)
         assert torch.equal(got, y64[start : start + size]), (start, size)
+    y263 = gguf_ops.gguf_linear(x, qtype, w, k)
+    assert torch.equal(y263[:64], y64)
+    for start, size in ((255, 1), (256, 1), (262, 1), (250, 13), (200, 60)):
+        got = gguf_ops.gguf_linear(x[start : start + size], qtype, w, k)
+        assert torch.equal(got, y263[start : start + size]), (start, size)
 
 
 @uses_kernels
