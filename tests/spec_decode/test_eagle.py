@@ -138,6 +138,22 @@ def _reference_drafts(model: str, head: str, seq: list[int], n: int) -> list[int
     return drafts
 
 
+def _spy(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(known tokens, drafts) of every proposal the engine's EAGLE proposer (any of its methods)
+    makes from now on."""
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    propose, seen = runner.eagle.propose, []
+
+    def spy(reqs, new_tokens, feats, cu_end, **kw):
+        drafts = propose(reqs, new_tokens, feats, cu_end, **kw)
+        seen.extend((r.state.token_slice(0, r.end) + list(new), d)
+                    for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
+        return drafts
+
+    runner.eagle.propose = spy
+    return seen
+
+
 def _read(head: str) -> dict[str, torch.Tensor]:
     file = os.path.join(head, "model.safetensors")
     return load_file(file) if os.path.exists(file) else torch.load(os.path.join(head, "pytorch_model.bin"))
@@ -152,17 +168,7 @@ def test_drafts_equal_the_reference_and_greedy_is_unchanged(arch, layout, target
                        layout)
     reference = _ids(_engine(model), GREEDY)
     llm = _engine(model, head)
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-    propose = runner.eagle.propose
-    seen = []
-
-    def spy(reqs, new_tokens, hidden, cu_end):
-        drafts = propose(reqs, new_tokens, hidden, cu_end)
-        seen.extend((r.state.token_slice(0, r.end) + list(new), d)
-                    for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
-        return drafts
-
-    runner.eagle.propose = spy
+    seen = _spy(llm)
     assert _ids(llm, GREEDY) == reference  # all four prompts in one batch
     assert len(seen) > 20
     for seq, drafts in seen[:: max(1, len(seen) // 8)]:

@@ -121,19 +121,7 @@ def _engine(model: str, head: str | None = None, k: int = K, **kwargs) -> LLM:
     return test_eagle._engine(model, head, k, method="eagle3", **kwargs)
 
 
-def _spy(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(known tokens, drafts) of every proposal the engine's EAGLE-3 proposer makes from now on."""
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-    propose, seen = runner.eagle.propose, []
-
-    def spy(reqs, new_tokens, feats, cu_end, **kw):
-        drafts = propose(reqs, new_tokens, feats, cu_end, **kw)
-        seen.extend((r.state.token_slice(0, r.end) + list(new), d)
-                    for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
-        return drafts
-
-    runner.eagle.propose = spy
-    return seen
+_spy = test_eagle._spy
 
 
 @pytest.mark.parametrize("arch,aux,draft_vocab,layout", [("llama", None, None, "safetensors"),

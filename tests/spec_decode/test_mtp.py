@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from tests.spec_decode.test_eagle import GREEDY, K, PROMPTS, _ids
+from tests.spec_decode.test_eagle import GREEDY, PROMPTS, K, _ids, _spy
 from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals, _second_and_third_counts
 from tests.utils import make_tiny_model
 
@@ -145,17 +145,7 @@ def test_drafts_equal_the_reference_and_greedy_is_unchanged(mimo, qwen2):
     reference = _ids(_engine(qwen2, None), GREEDY)
     assert _ids(_engine(mimo, None), GREEDY) == reference  # MiMo without its MTP layers is its Qwen2
     llm = _engine(mimo)
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-    propose = runner.eagle.propose
-    seen = []
-
-    def spy(reqs, new_tokens, hidden, cu_end):
-        drafts = propose(reqs, new_tokens, hidden, cu_end)
-        seen.extend((r.state.token_slice(0, r.end) + list(new), d)
-                    for r, new, d in zip(reqs, new_tokens, drafts) if d is not None)
-        return drafts
-
-    runner.eagle.propose = spy
+    seen = _spy(llm)
     assert _ids(llm, GREEDY) == reference  # all four prompts in one batch
     assert len(seen) > 20
     for seq, drafts in seen[:: max(1, len(seen) // 8)]:
