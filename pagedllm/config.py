@@ -287,7 +287,7 @@ def check_pipeline_parallel(model_config: ModelConfig, pp: int, draft_model: boo
     if layers < pp:
         raise ValueError(f"pipeline_parallel_size={pp} is more than the {layers} layers of {model_config.model}")
     if draft_model:
-        raise ValueError("a draft model, an EAGLE head or MTP layers (speculative decoding) need "
+        raise ValueError("a draft model or a head on the target's hidden states (EAGLE, EAGLE-3, MTP) needs "
                          "pipeline_parallel_size=1; ngram works")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -227,11 +228,18 @@ def test_chunking_preemption_and_prefix_cache_keep_greedy(method, tiny_llama, tm
 def test_sampled_tokens_follow_the_target_distribution(method, tiny_llama, tmp_path):
     """A head that always drafts the likeliest 2nd token: the target's own marginals for the 2nd
     and 3rd tokens, with both verification paths (accepted, resampled) taken."""
+    assert_keeps_the_target_distribution(tiny_llama, lambda token: _engine(
+        tiny_llama, _constant_head_of(method, tiny_llama, str(tmp_path / "const"), token), k=2, method=method))
+
+
+def assert_keeps_the_target_distribution(model: str, drafting: Callable[[int], LLM]) -> None:
+    """`drafting(token)`: an engine on `model` whose drafter always proposes `token`. Given the
+    likeliest 2nd token of a prompt, its sampled 2nd and 3rd tokens follow the target's own
+    marginals (chi-square), with both verification paths taken."""
     prompt = [5, 6, 7, 8, 9]
     temperature, top_k = 1.5, 4
-    second, third = _exact_marginals(tiny_llama, prompt, temperature, top_k)
-    head = _constant_head_of(method, tiny_llama, str(tmp_path / "const"), max(second, key=second.get))
-    llm = _engine(tiny_llama, head, k=2, method=method)
+    second, third = _exact_marginals(model, prompt, temperature, top_k)
+    llm = drafting(max(second, key=second.get))
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(1500)]
     counts2, counts3 = _second_and_third_counts(llm, prompt, params)

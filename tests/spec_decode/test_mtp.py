@@ -16,8 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from tests.spec_decode.test_eagle import GREEDY, PROMPTS, K, _ids, _spy
-from tests.spec_decode.test_spec_decode import _chi_square_pvalue, _exact_marginals, _second_and_third_counts
+from tests.spec_decode.test_eagle import GREEDY, PROMPTS, K, _ids, _spy, assert_keeps_the_target_distribution
 from tests.utils import make_tiny_model
 
 PREFIX = "model.mtp_layers.0."
@@ -178,16 +177,8 @@ def test_right_drafts_are_all_accepted_at_tp2(qwen2, tmp_path):
 def test_sampled_tokens_follow_the_target_distribution(qwen2, tmp_path):
     """Drafts of the likeliest 2nd token: the target's own marginals for the 2nd and 3rd tokens,
     with both verification paths (accepted, resampled) taken."""
-    prompt = [5, 6, 7, 8, 9]
-    temperature, top_k = 1.5, 4
-    second, third = _exact_marginals(qwen2, prompt, temperature, top_k)
-    llm = _engine(_constant_mtp(qwen2, str(tmp_path / "const"), max(second, key=second.get)), k=2)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=s)
-              for s in range(1500)]
-    counts2, counts3 = _second_and_third_counts(llm, prompt, params)
-    assert 0.05 < llm.get_metrics()["pagedllm:spec_decode_acceptance_rate"] < 0.95
-    assert _chi_square_pvalue(counts2, second) > 1e-3
-    assert _chi_square_pvalue(counts3, third) > 1e-3
+    assert_keeps_the_target_distribution(qwen2, lambda token: _engine(
+        _constant_mtp(qwen2, str(tmp_path / "const"), token), k=2))
 
 
 def test_what_cannot_run_is_a_clear_error(mimo, qwen2, tmp_path):
