@@ -78,10 +78,15 @@ def llama_batch1_runs(bin_dir: str, gguf: str, threads: int) -> dict[str, float]
 
 
 def w1_runs(extra: list[str], input_len: int = 32) -> dict[str, float]:
-    """W1 alone: 64 prompts of input_len tokens, 128 out each."""
+    """W1 alone: 64 prompts of input_len tokens, 128 out each. llama-batched-bench is given the
+    context the batch needs; pagedllm's --kv-cache-memory must hold 64 x (input_len + 128)
+    tokens too (at 4B, 16,384 float32 tokens take 4.6 GB), or requests are preempted and
+    recomputed: the table then says how many."""
     w1 = _run(["pagedllm", "bench", "throughput", "--num-prompts", "64", "--input-len", str(input_len),
                "--output-len", "128", *extra])
-    return {"W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1)}
+    preempted = re.search(r"Preemptions: ([0-9]+)", w1)
+    return {"W1 output tok/s": _grab(r"([0-9.]+) output tokens/s", w1),
+            **({"W1 preemptions": float(preempted.group(1))} if preempted else {})}
 
 
 def llama_w1_runs(bin_dir: str, gguf: str, threads: int, input_len: int = 32) -> dict[str, float]:

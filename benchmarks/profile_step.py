@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --batch 64 [--quantization int8] [--steps 5]
     python benchmarks/profile_step.py --batch 1 --quantization int4 --steps 20
+    python benchmarks/profile_step.py --model /work/models/gemma3-4b-q4_k_m.gguf --max-model-len 8192
 
 Random token-id prompts of 32 tokens, greedy, ignore_eos (the W1 / W2 workloads); the first
 10 steps (prefill and warm-up) are not profiled. Prints wall ms and minor page faults per
@@ -25,11 +26,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quantization", default=None, choices=[None, "none", "int8", "int4"],
                         help="default: the model's default (int4 for the GGUF default model)")
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25, help="ops to print")
     args = parser.parse_args()
 
-    engine = LLM(quantization=args.quantization).llm_engine
+    kwargs = {"model": args.model} if args.model else {}
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    engine = LLM(quantization=args.quantization, **kwargs).llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=10 + 2 * args.steps + 10, ignore_eos=True)
     for i in range(args.batch):

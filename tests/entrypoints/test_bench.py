@@ -121,3 +121,16 @@ def test_pooling_throughput_beside_sentence_transformers(tmp_path) -> None:
     assert m["num_sentences"] == 40 and 40 * 8 <= m["num_tokens"] <= 40 * 64
     assert m["sentences_per_second"] > 0 and m["sentence_transformers_sentences_per_second"] > 0
     assert json.loads((tmp_path / "pool.json").read_text())["speedup_over_sentence_transformers"] > 0
+
+
+def test_throughput_reports_the_preemptions_of_a_batch_that_outgrew_the_kv_cache(model_dir: str, capsys) -> None:
+    """A figure taken while requests were recomputed measures the KV cache's size, not the engine:
+    the count says so (8 prompts x 32 tokens against 6 blocks of 16)."""
+    flags = ["--model", model_dir, "--device", "cpu", "--max-model-len", "64", "--num-gpu-blocks-override", "6"]
+    m = run_throughput(_parse(["bench", "throughput", *flags, "--num-prompts", "8", "--input-len", "16",
+                               "--output-len", "16"]))
+    assert m["num_output_tokens"] == 8 * 16 and m["num_preemptions"] > 0
+    assert f"Preemptions: {m['num_preemptions']} " in capsys.readouterr().out
+    roomy = run_throughput(_parse(["bench", "throughput", *_engine_flags(model_dir), "--num-prompts", "2",
+                                   "--input-len", "8", "--output-len", "4"]))
+    assert roomy["num_preemptions"] == 0 and "Preemptions" not in capsys.readouterr().out

@@ -168,6 +168,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prompts = _random_prompts(config, tokenizer, args.num_prompts, args.input_len)
 
+    preemptions = None  # the engine's count; transformers has no KV cache to outgrow
     if args.backend == "transformers" and image_prompts:
         startup, elapsed, num_output, num_prompt_tokens = run_hf_mm(args, config, prompts)
     elif args.backend == "transformers":
@@ -176,7 +177,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     else:
         del tokenizer  # the engine loads its own; a second 262k-vocab tokenizer would count in its RSS
         # (prompt tokens as the engine counts them: an image's placeholders included)
-        startup, elapsed, num_output, num_prompt_tokens = _run_pagedllm(args, engine_args, prompts)
+        startup, elapsed, num_output, num_prompt_tokens, preemptions = _run_pagedllm(args, engine_args, prompts)
 
     elapsed = max(elapsed, 1e-9)
     metrics = {
@@ -190,6 +191,12 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_second": num_output / elapsed,
         "total_tokens_per_second": (num_prompt_tokens + num_output) / elapsed,
     }
+    lines = []
+    if preemptions is not None:
+        metrics["num_preemptions"] = preemptions
+        if preemptions:  # a batch that outgrew the KV cache: requests recomputed, the figure is not the kernels'
+            lines.append(f"Preemptions: {preemptions} (the KV cache held fewer tokens than the batch grew to; "
+                         "--kv-cache-memory raises it)")
     for name in ("greedy", "unconstrained", "no_lora"):
         if hasattr(args, f"{name}_output_tokens_per_second"):
             metrics[f"{name}_output_tokens_per_second"] = getattr(args, f"{name}_output_tokens_per_second")
@@ -201,12 +208,14 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         f"Throughput: {metrics['requests_per_second']:.2f} requests/s, "
         f"{metrics['output_tokens_per_second']:.2f} output tokens/s, "
         f"{metrics['total_tokens_per_second']:.2f} total tokens/s",
+        *lines,
     ], args.output_json)
 
 
 def _run_pagedllm(
     args: argparse.Namespace, engine_args: EngineArgs, prompts: list[list[int]]
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, int, int]:
+    """(start-up s, elapsed s, output tokens, prompt tokens, preemptions) of the timed batch."""
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
@@ -238,11 +247,13 @@ def _run_pagedllm(
         setattr(args, f"{name}_output_tokens_per_second", tps)
         print(f"{name.capitalize()} (same engine, run first): {tps:.2f} output tokens/s")
         llm.llm_engine.reset_prefix_cache()
+    preempted = llm.get_metrics()["pagedllm:num_preemptions"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
     elapsed = time.perf_counter() - start
     return (startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs),
-            sum(len(o.prompt_token_ids) for o in outputs))
+            sum(len(o.prompt_token_ids) for o in outputs),
+            int(llm.get_metrics()["pagedllm:num_preemptions"] - preempted))
 
 
 def _run_hf(
