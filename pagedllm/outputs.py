@@ -28,7 +28,6 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
