@@ -84,7 +84,7 @@ def test_greedy_matches_the_dequantized_reference(float_model, tmp_path, monkeyp
     elif cpu_kernels.kernels() is None:
         pytest.skip("the C kernels are not built here")
     path, ref = quantized(float_model, tmp_path, CASES[name])
-    llm = LLM(str(path), max_model_len=128, kv_cache_memory=1 << 24)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory=1 << 24, dtype="float32")
     try:
         assert llm.llm_engine.config.model_config.quantization == CASES[name]["method"]
         model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
@@ -120,7 +120,7 @@ def test_tp2_ranks_take_their_rows_and_columns_of_the_blocks(float_model, tmp_pa
 
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")  # the worker processes read it
     path, ref = quantized(float_model, tmp_path, CASES[name])
-    llm = LLM(str(path), max_model_len=128, kv_cache_memory=1 << 24, tensor_parallel_size=2)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory=1 << 24, dtype="float32", tensor_parallel_size=2)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
