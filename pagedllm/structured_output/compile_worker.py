@@ -5,8 +5,12 @@ xgrammar's compile runs in C++ and cannot be interrupted, so a compile that is p
 limit, or whose requests are gone, is stopped by killing the process that runs it
 (compile_pool.py). On IN_FD it reads the tokenizer info (xgrammar's JSON), then compile jobs
 (kind, args, kwargs: a `GrammarCompiler.compile_<kind>` call); on OUT_FD it answers ("ready",
-None) once, then ("ok", compiled grammar as xgrammar's JSON) or ("error", message) per job. It
-exits when the engine closes its end of IN_FD, or dies.
+None) once, then ("ok", None) or ("error", message) per job. It exits when the engine closes
+its end of IN_FD, or dies.
+
+"ok" carries no grammar: the engine compiles the recipe again itself, now known to finish
+within the limit. xgrammar's only transport is JSON, which for a 262k vocabulary is ~18 MB even
+for a small schema and takes several times the compile to write and read.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def serve(recv: Connection, send: Connection) -> None:
         except EOFError:
             return
         try:
-            reply = ("ok", getattr(compiler, f"compile_{kind}")(*args, **kwargs).serialize_json())
+            getattr(compiler, f"compile_{kind}")(*args, **kwargs)
+            reply = ("ok", None)
         except Exception as e:  # any compile failure is the request's, sent back as text
             reply = ("error", str(e) or type(e).__name__)
         send.send(reply)

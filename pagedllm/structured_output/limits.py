@@ -4,7 +4,7 @@ the compile time limit.
 Compiling a grammar against a vocabulary costs CPU that grows with the spec, faster than
 linearly: a `choice` of 20k entries takes seconds, 100k minutes. So what is plainly too big is
 refused up front, with the limit named (a 400 over HTTP, ValueError offline). What passes can
-still be slow (many distinct length-bounded strings): the time limit covers that, enforced by
+still be slow (many distinct bounded repetitions): the time limit covers that, enforced by
 killing the compiling process (compile_pool.py).
 """
 

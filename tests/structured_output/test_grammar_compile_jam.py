@@ -13,21 +13,21 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import limits
+from pagedllm.structured_output.grammar import recipe
 from tests.structured_output.conftest import PROMPTS
 from tests.utils import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def big(tag: str, n: int = 400) -> StructuredOutputsParams:
-    """Well inside the size limits, yet ~30 s in a compiler process even for the tiny
-    vocabulary (8 s at 200 properties: near enough to the server test's 5 s limit to finish
-    within it on a fast host). Each distinct maxLength is a rule of its own, unrolled; the
-    compile itself is ~0.1 s, and the compiled grammar's JSON, sent back to the engine, most of
-    the rest (61 MB at 200 properties, 5 s to write): it grows with the square of the count."""
-    assert n <= limits.MAX_PROPERTIES
-    props = {f"{tag}{i}": {"type": "string", "maxLength": 60 + i} for i in range(n)}
-    return StructuredOutputsParams(json={"type": "object", "properties": props})
+def big(tag: str, n: int = 300) -> StructuredOutputsParams:
+    """A grammar well inside the size limits that takes ~13 s to compile on a fast host even for
+    the tiny 384-token vocabulary (3.4 s at 150, 25 s at 400): a sequence of `n` bounded
+    repetitions, each bound distinct. xgrammar unrolls each one, and the cost grows with the
+    square of `n`."""
+    assert n * 20 < limits.MAX_GRAMMAR_CHARS
+    rules = " ".join(f'[a-z]{{0,{100 + i}}} "-"' for i in range(n))
+    return StructuredOutputsParams(grammar=f'root ::= "{tag}" {rules}')
 
 
 def small(tag: str) -> StructuredOutputsParams:
@@ -56,7 +56,7 @@ def pool(llama):
     return pool
 
 
-def running(pool, label: str = "structured_outputs.json") -> list:
+def running(pool, label: str = "structured_outputs.grammar") -> list:
     return [w for w in pool._workers if w is not None and w.job is not None and w.job.label == label]
 
 
@@ -124,5 +124,41 @@ def test_compile_past_the_time_limit_fails_its_request(llama, pool, monkeypatch)
     assert len(outs[0].outputs[0].token_ids) == 8
     failed = outs[1].outputs[0]
     assert failed.finish_reason == "abort" and failed.token_ids == []
-    assert "structured_outputs.json did not compile within the limit of 1 s" in str(failed.stop_reason)
+    assert "structured_outputs.grammar did not compile within the limit of 1 s" in str(failed.stop_reason)
     assert_idle(llama)
+
+
+def test_the_compiled_grammar_is_not_sent_back(llama, pool):
+    """A compiler process answers only that its compile succeeded; the engine compiles the
+    grammar again itself (xgrammar's JSON of this one is ~15 MB even for the tiny vocabulary),
+    and gets the very grammar the process made."""
+    import pickle
+
+    import xgrammar as xgr
+
+    sizes: list[int] = []
+
+    def spy(conn) -> None:
+        recv = conn.recv
+
+        def counted():
+            message = recv()
+            sizes.append(len(pickle.dumps(message)))
+            return message
+
+        conn.recv = counted
+
+    for worker in pool._workers:
+        spy(worker.recv)
+    props = {f"k{i}": {"type": "string", "maxLength": 60 + i} for i in range(100)}
+    params = StructuredOutputsParams(json={"type": "object", "properties": props})
+    manager = llama.llm_engine.engine_core.structured_output_manager
+    ticket = manager._compiler.compile(params)
+    wait_for(ticket.done)
+    grammar = ticket.result()
+    ticket.release()
+    assert sizes and max(sizes) < 1000, sizes
+    kind, args, kwargs = recipe(params)
+    direct = getattr(xgr.GrammarCompiler(pool.info, cache_enabled=False), f"compile_{kind}")(*args, **kwargs)
+    expected = direct.serialize_json()
+    assert len(expected) > 10_000_000 and grammar.serialize_json() == expected
