@@ -92,12 +92,17 @@ typedef struct {
 #if defined(PL_AVX512) || defined(PL_AVX2)
 /* 32 u8 x s8 products in 8 int32 lanes (each the sum of 4 neighbours) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define GG_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define GG_VNNI 1
+#define GG_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVXVNNI__)
-#define GG_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define GG_VNNI 1
+#define GG_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #else
-#define GG_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define GG_VNNI 0
+#define GG_DPBUSD(acc, u, s) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #endif
+#define GG_DOT(u, s) GG_DPBUSD(_mm256_setzero_si256(), u, s)
 
 INLINE float gg_hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

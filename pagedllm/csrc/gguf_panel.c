@@ -4,7 +4,9 @@
  * vector: "a step"), with their scales laid out as vectors over the 8 rows, and then runs every
  * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
  * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
- * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. Decoding costs once per panel
+ * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. With VNNI a step is one vpdpbusd
+ * into int32 instead (Q6_K aside), and a K sub-block's sum is multiplied by its scale once
+ * (vpmulld). Decoding costs once per panel
  * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
  * The per-unit integer sums are gg_row's, and so are the float operations on them. */
 #include "gguf_blocks.h"
@@ -91,7 +93,8 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
 }
 
 /* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
- * into the int16 sums s16[r] (or, for Q8_0, straight into the int32 sums i32[r]) */
+ * into the int16 sums s16[r]; with VNNI (one vpdpbusd a step; not Q6_K), and always for Q8_0, into
+ * the int32 sums i32[r] instead. Either way the same exact integers. */
 INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
                            __m256i *s16, __m256i *i32) {
 #pragma GCC unroll 2
@@ -102,7 +105,8 @@ INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const 
             int32_t x4;
             memcpy(&x4, xq[r] + 4 * t, 4);
             __m256i xb = _mm256_set1_epi32(x4);
-            if (type == GG_Q8_0) i32[r] = _mm256_add_epi32(i32[r], GG_DOT(wabs, _mm256_sign_epi8(xb, w)));
+            if (type == GG_Q8_0) i32[r] = GG_DPBUSD(i32[r], wabs, _mm256_sign_epi8(xb, w));
+            else if (GG_VNNI && type != GG_Q6_K) i32[r] = GG_DPBUSD(i32[r], w, xb);
             else s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, xb));
         }
     }
@@ -133,12 +137,13 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
             int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
             for (int b = 0; b < nb; b++) {
                 for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
-                for (int t = 8 * b; t < 8 * b + 8; t += span) {
-                    for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                    gg_panel_steps(type, M, slot, xq, t, type == GG_Q8_0 ? 8 : span, s16, i32);
-                    if (type == GG_Q8_0) break;
-                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
-                }
+                if (GG_VNNI || type == GG_Q8_0) gg_panel_steps(type, M, slot, xq, 8 * b, 8, s16, i32);
+                else
+                    for (int t = 8 * b; t < 8 * b + 8; t += span) {
+                        for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+                        gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+                        for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
+                    }
                 __m256 D = _mm256_load_ps(f + 8 * b);
                 for (int r = 0; r < M; r++) {
                     int32_t bs = b32[r][b];
@@ -155,12 +160,26 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
         }
         const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
         for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+        /* With VNNI, a sub-block's sums in int32, times its scale (the int16 pair's upper half).
+         * Not for Q6_K: its sub-blocks of 4 steps take a vpmulld per 4 vpdpbusd, slower than
+         * vpmaddubsw's spans of 2 (measured). */
+        if (GG_VNNI && type != GG_Q6_K) {
 #pragma GCC unroll 1
-        for (int t = 0; t < 64; t += span) {
-            for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-            gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
-            __m256i scv = _mm256_load_si256(sc + t / unit);
-            for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
+            for (int t = 0; t < 64; t += unit) {
+                __m256i u32[GG_TILE];
+                for (int r = 0; r < M; r++) u32[r] = _mm256_setzero_si256();
+                gg_panel_steps(type, M, slot, xq, t, unit, s16, u32);
+                __m256i scv = _mm256_srai_epi32(_mm256_load_si256(sc + t / unit), 16);
+                for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_mullo_epi32(u32[r], scv));
+            }
+        } else {
+#pragma GCC unroll 1
+            for (int t = 0; t < 64; t += span) {
+                for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
+                gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+                __m256i scv = _mm256_load_si256(sc + t / unit);
+                for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
+            }
         }
         __m256 D = _mm256_load_ps(f);
         for (int r = 0; r < M; r++) {
