@@ -93,21 +93,39 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
 }
 
 /* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
- * into the int16 sums s16[r]; with VNNI (one vpdpbusd a step; not Q6_K), and always for Q8_0, into
- * the int32 sums i32[r] instead. Either way the same exact integers. */
-INLINE void gg_panel_steps(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
-                           __m256i *s16, __m256i *i32) {
+ * into the int16 sums s16[r] (one vpmaddubsw + vpaddw a step) */
+INLINE void gg_panel_steps(const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n, __m256i *s16) {
 #pragma GCC unroll 2
     for (int t = t0; t < t0 + n; t++) {
-        __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * t)), wabs = w;
-        if (type == GG_Q8_0) wabs = _mm256_abs_epi8(w);
+        __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * t));
         for (int r = 0; r < M; r++) {
             int32_t x4;
             memcpy(&x4, xq[r] + 4 * t, 4);
-            __m256i xb = _mm256_set1_epi32(x4);
-            if (type == GG_Q8_0) i32[r] = GG_DPBUSD(i32[r], wabs, _mm256_sign_epi8(xb, w));
-            else if (GG_VNNI && type != GG_Q6_K) i32[r] = GG_DPBUSD(i32[r], w, xb);
-            else s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, xb));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
+        }
+    }
+}
+
+INLINE __m256i gg_panel_dot(const int type, __m256i acc, __m256i w, const int8_t *x) {
+    int32_t x4;
+    memcpy(&x4, x, 4);
+    __m256i xb = _mm256_set1_epi32(x4);
+    if (type == GG_Q8_0) return GG_DPBUSD(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+    return GG_DPBUSD(acc, w, xb);
+}
+
+/* The same steps (n even) straight into int32 sums, one vpdpbusd a step with VNNI (and for Q8_0,
+ * whose products do not fit int16 pairs, always): the even steps into i32[r], the odd ones into
+ * i32[GG_TILE + r], which the caller adds. Two chains a row, as a vpdpbusd waits for the one
+ * before it on its accumulator. The same exact integers as the int16 route. */
+INLINE void gg_panel_dots(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
+                          __m256i *i32) {
+    for (int t = t0; t < t0 + n; t += 2) {
+        __m256i w0 = _mm256_load_si256((const __m256i *)(q + 32 * t));
+        __m256i w1 = _mm256_load_si256((const __m256i *)(q + 32 * t + 32));
+        for (int r = 0; r < M; r++) {
+            i32[r] = gg_panel_dot(type, i32[r], w0, xq[r] + 4 * t);
+            i32[GG_TILE + r] = gg_panel_dot(type, i32[GG_TILE + r], w1, xq[r] + 4 * t + 4);
         }
     }
 }
@@ -132,16 +150,18 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
             xd[r] = a->d + (r0 + r) * a->nb8 + 8 * g;
             b32[r] = a->b32 + (r0 + r) * a->nb8 + 8 * g;
         }
-        __m256i s16[GG_TILE], i32[GG_TILE];
+        __m256i s16[GG_TILE], i32[2 * GG_TILE];
         if (!GG_KQUANT(type)) {
             int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
             for (int b = 0; b < nb; b++) {
-                for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
-                if (GG_VNNI || type == GG_Q8_0) gg_panel_steps(type, M, slot, xq, 8 * b, 8, s16, i32);
-                else
+                for (int r = 0; r < M; r++) i32[r] = i32[GG_TILE + r] = _mm256_setzero_si256();
+                if (GG_VNNI || type == GG_Q8_0) {
+                    gg_panel_dots(type, M, slot, xq, 8 * b, 8, i32);
+                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], i32[GG_TILE + r]);
+                } else
                     for (int t = 8 * b; t < 8 * b + 8; t += span) {
                         for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                        gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+                        gg_panel_steps(M, slot, xq, t, span, s16);
                         for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
                     }
                 __m256 D = _mm256_load_ps(f + 8 * b);
@@ -166,17 +186,18 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
         if (GG_VNNI && type != GG_Q6_K) {
 #pragma GCC unroll 1
             for (int t = 0; t < 64; t += unit) {
-                __m256i u32[GG_TILE];
-                for (int r = 0; r < M; r++) u32[r] = _mm256_setzero_si256();
-                gg_panel_steps(type, M, slot, xq, t, unit, s16, u32);
+                __m256i u32[2 * GG_TILE];
+                for (int r = 0; r < M; r++) u32[r] = u32[GG_TILE + r] = _mm256_setzero_si256();
+                gg_panel_dots(type, M, slot, xq, t, unit, u32);
                 __m256i scv = _mm256_srai_epi32(_mm256_load_si256(sc + t / unit), 16);
-                for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_mullo_epi32(u32[r], scv));
+                for (int r = 0; r < M; r++)
+                    i32[r] = _mm256_add_epi32(i32[r], _mm256_mullo_epi32(_mm256_add_epi32(u32[r], u32[GG_TILE + r]), scv));
             }
         } else {
 #pragma GCC unroll 1
             for (int t = 0; t < 64; t += span) {
                 for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                gg_panel_steps(type, M, slot, xq, t, span, s16, i32);
+                gg_panel_steps(M, slot, xq, t, span, s16);
                 __m256i scv = _mm256_load_si256(sc + t / unit);
                 for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
             }
