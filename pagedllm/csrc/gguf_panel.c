@@ -5,8 +5,7 @@
  * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
  * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
  * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. With VNNI a step is one vpdpbusd
- * into int32 instead (Q6_K aside), and a K sub-block's sum is multiplied by its scale once
- * (vpmulld). Decoding costs once per panel
+ * into int32 instead, and a K sub-block's sum is multiplied by its scale once (vpmulld). Decoding costs once per panel
  * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
  * The per-unit integer sums are gg_row's, and so are the float operations on them. */
 #include "gguf_blocks.h"
@@ -180,10 +179,9 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
         }
         const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
         for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
-        /* With VNNI, a sub-block's sums in int32, times its scale (the int16 pair's upper half).
-         * Not for Q6_K: its sub-blocks of 4 steps take a vpmulld per 4 vpdpbusd, slower than
-         * vpmaddubsw's spans of 2 (measured). */
-        if (GG_VNNI && type != GG_Q6_K) {
+        /* With VNNI, a sub-block's sums in int32, times its scale (the int16 pair's upper half,
+         * sign-extended: Q6_K's scales are signed) */
+        if (GG_VNNI) {
 #pragma GCC unroll 1
             for (int t = 0; t < 64; t += unit) {
                 __m256i u32[2 * GG_TILE];
