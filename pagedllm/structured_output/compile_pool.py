@@ -237,7 +237,8 @@ class CompilePool:
         if job is None:
             return
         if status == "ok":
-            self._local.submit(self._compile_here, job)
+            if not self._procs.closed:  # (a closed pool's executor takes no more work)
+                self._local.submit(self._compile_here, job)
         else:
             self._finish(job, error=f"invalid {job.label}: {clean_message(payload)}")
 
