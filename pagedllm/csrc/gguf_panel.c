@@ -5,8 +5,9 @@
  * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
  * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
  * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. With VNNI a step is one vpdpbusd
- * into int32 instead, and a K sub-block's sum is multiplied by its scale once (vpmulld). Decoding costs once per panel
- * instead of once per 4 activation rows, and a step serves 8 outputs with no horizontal sums.
+ * into int32 instead, and a K sub-block's sum is multiplied by its scale once (vpmulld).
+ * Decoding costs once per panel instead of once per 4 activation rows, and a step serves 8
+ * outputs with no horizontal sums.
  * The per-unit integer sums are gg_row's, and so are the float operations on them. */
 #include "gguf_blocks.h"
 
@@ -157,12 +158,13 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
                 if (GG_VNNI || type == GG_Q8_0) {
                     gg_panel_dots(type, M, slot, xq, 8 * b, 8, i32);
                     for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], i32[GG_TILE + r]);
-                } else
+                } else {
                     for (int t = 8 * b; t < 8 * b + 8; t += span) {
                         for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
                         gg_panel_steps(M, slot, xq, t, span, s16);
                         for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
                     }
+                }
                 __m256 D = _mm256_load_ps(f + 8 * b);
                 for (int r = 0; r < M; r++) {
                     int32_t bs = b32[r][b];
