@@ -94,13 +94,16 @@ typedef struct {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GG_VNNI 1
 #define GG_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define GG_DPWSSD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #elif defined(__AVXVNNI__)
 #define GG_VNNI 1
 #define GG_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define GG_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
 #define GG_VNNI 0
 #define GG_DPBUSD(acc, u, s) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define GG_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #endif
 #define GG_DOT(u, s) GG_DPBUSD(_mm256_setzero_si256(), u, s)
 

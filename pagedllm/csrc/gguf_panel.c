@@ -18,6 +18,13 @@
 #define GG_SLOT_PAIR 256        /* int16 pairs for the mins / Q6_K's offset: 8 x 16 lanes */
 #define GG_SLOT_F 512           /* float scales by unit (legacy: 8 blocks x 8 rows; then the mins) */
 #define GG_SLOT (GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR + GG_SLOT_F)
+/* Panels a tile runs at once. Two share each activation broadcast (4 rows x 16 outputs: 8 sums
+ * and 8 sub-block sums in flight), which takes AVX-512's 32 vector registers; 16 hold one. */
+#if GG_VNNI && defined(__AVX512VL__)
+#define GG_NP 2
+#else
+#define GG_NP 1
+#endif
 
 /* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
 INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
@@ -45,7 +52,8 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
                            uint8_t *panel, uint8_t *rowbuf) {
     const int64_t bytes32 = GG_BYTES32(type), gbytes = GG_GROUP_BYTES(type);
     const int64_t groups = (nblk + 7) / 8;
-    memset(panel, 0, (size_t)(groups * GG_SLOT));
+    /* a full panel writes every byte its tile reads; a short one's missing lanes are zeros */
+    if (cols < GG_NR) memset(panel, 0, (size_t)(groups * GG_SLOT));
     for (int c = 0; c < GG_NR; c++) {
         uint8_t *dst = rowbuf + c * kq;
         if (c >= cols) {
@@ -106,42 +114,56 @@ INLINE void gg_panel_steps(const int M, const uint8_t *q, const int8_t *const *x
     }
 }
 
-INLINE __m256i gg_panel_dot(const int type, __m256i acc, __m256i w, const int8_t *x) {
-    int32_t x4;
-    memcpy(&x4, x, 4);
-    __m256i xb = _mm256_set1_epi32(x4);
+INLINE __m256i gg_panel_dot(const int type, __m256i acc, __m256i w, __m256i xb) {
     if (type == GG_Q8_0) return GG_DPBUSD(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
     return GG_DPBUSD(acc, w, xb);
 }
 
-/* The same steps (n even) straight into int32 sums, one vpdpbusd a step with VNNI (and for Q8_0,
- * whose products do not fit int16 pairs, always): the even steps into i32[r], the odd ones into
- * i32[GG_TILE + r], which the caller adds. Two chains a row, as a vpdpbusd waits for the one
- * before it on its accumulator. The same exact integers as the int16 route. */
-INLINE void gg_panel_dots(const int type, const int M, const uint8_t *q, const int8_t *const *xq, int t0, int n,
-                          __m256i *i32) {
-    for (int t = t0; t < t0 + n; t += 2) {
-        __m256i w0 = _mm256_load_si256((const __m256i *)(q + 32 * t));
-        __m256i w1 = _mm256_load_si256((const __m256i *)(q + 32 * t + 32));
+/* The same steps (n a multiple of 4) of NP panels (q[p]: their groups) straight into int32 sums,
+ * one vpdpbusd a step with VNNI (and for Q8_0, whose products do not fit int16 pairs, always).
+ * A row's 16 activation bytes for 4 steps are loaded once into both halves and each step's 4
+ * broadcast by vpshufd: a broadcast load per step and row leaves the loads, not the multiplies,
+ * the limit. The sums: panel p's in i32[GG_TILE * p + r]; with one panel the odd steps go to a
+ * second chain, i32[GG_TILE + r], which the caller adds (a vpdpbusd waits for the one before it
+ * on its accumulator). The same exact integers as the int16 route. */
+INLINE void gg_panel_dots(const int type, const int M, const int NP, const uint8_t *const *q, const int8_t *const *xq,
+                          int t0, int n, __m256i *i32) {
+    for (int t = t0; t < t0 + n; t += 4) {
+        __m256i w[GG_NP][4];
+        for (int p = 0; p < NP; p++)
+            for (int s = 0; s < 4; s++) w[p][s] = _mm256_load_si256((const __m256i *)(q[p] + 32 * (t + s)));
         for (int r = 0; r < M; r++) {
-            i32[r] = gg_panel_dot(type, i32[r], w0, xq[r] + 4 * t);
-            i32[GG_TILE + r] = gg_panel_dot(type, i32[GG_TILE + r], w1, xq[r] + 4 * t + 4);
+            __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq[r] + 4 * t)));
+            __m256i xb[4] = {_mm256_shuffle_epi32(v, 0x00), _mm256_shuffle_epi32(v, 0x55),
+                             _mm256_shuffle_epi32(v, 0xAA), _mm256_shuffle_epi32(v, 0xFF)};
+            for (int s = 0; s < 4; s++)
+                for (int p = 0; p < NP; p++) {
+                    int k = GG_TILE * (NP == 1 ? s % 2 : p) + r;
+                    i32[k] = gg_panel_dot(type, i32[k], w[p][s], xb[s]);
+                }
         }
     }
 }
 
-/* M activation rows (r0 ..) against a decoded panel: A[8 r + lane] are the rows' float
- * accumulators, lanes the panel's 8 outputs, indexed by unit % 8 as gg_row's lanes are. */
-INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, const gg_act *a, int64_t r0,
-                          int64_t nblk, __m256 *A) {
+/* M activation rows (r0 ..) against NP decoded panels (panel + p * pstride): A[8 (GG_TILE p + r)
+ * + lane] are the float accumulators of row r and panel p, lanes the panel's 8 outputs, indexed
+ * by unit % 8 as gg_row's lanes are. Each output's integer sums and float operations are the
+ * same whatever NP. */
+INLINE void gg_panel_tile(const int type, const int M, const int NP, const uint8_t *panel, int64_t pstride,
+                          const gg_act *a, int64_t r0, int64_t nblk, __m256 *A) {
     const int span = type == GG_Q6_K ? 2 : (type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q5_K) ? 4 : 8;
     const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 32 /* stores, not a rep stos: its start-up is most of a short row's tile */
-    for (int i = 0; i < 8 * M; i++) A[i] = _mm256_setzero_ps();
+#pragma GCC unroll 64 /* stores, not a rep stos: its start-up is most of a short row's tile */
+    for (int i = 0; i < 8 * GG_TILE * NP; i++) A[i] = _mm256_setzero_ps();
     for (int64_t g = 0; 8 * g < nblk; g++) {
-        const uint8_t *slot = panel + g * GG_SLOT;
-        const __m256i *sc = (const __m256i *)(slot + GG_SLOT_Q), *pair = (const __m256i *)(slot + GG_SLOT_Q + GG_SLOT_SC);
-        const float *f = (const float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+        const uint8_t *slot[GG_NP];
+        const __m256i *sc[GG_NP], *pair[GG_NP];
+        const float *f[GG_NP];
+        for (int p = 0; p < NP; p++) {
+            slot[p] = panel + p * pstride + g * GG_SLOT;
+            sc[p] = (const __m256i *)(slot[p] + GG_SLOT_Q), pair[p] = (const __m256i *)(slot[p] + GG_SLOT_Q + GG_SLOT_SC);
+            f[p] = (const float *)(slot[p] + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+        }
         const int8_t *xq[GG_TILE];
         const float *xd[GG_TILE];
         const int16_t *b32[GG_TILE];
@@ -154,78 +176,87 @@ INLINE void gg_panel_tile(const int type, const int M, const uint8_t *panel, con
         if (!GG_KQUANT(type)) {
             int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
             for (int b = 0; b < nb; b++) {
-                for (int r = 0; r < M; r++) i32[r] = i32[GG_TILE + r] = _mm256_setzero_si256();
+                for (int r = 0; r < 2 * GG_TILE; r++) i32[r] = _mm256_setzero_si256();
                 if (GG_VNNI || type == GG_Q8_0) {
-                    gg_panel_dots(type, M, slot, xq, 8 * b, 8, i32);
-                    for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], i32[GG_TILE + r]);
+                    gg_panel_dots(type, M, NP, slot, xq, 8 * b, 8, i32);
+                    for (int r = 0; NP == 1 && r < M; r++) i32[r] = _mm256_add_epi32(i32[r], i32[GG_TILE + r]);
                 } else {
                     for (int t = 8 * b; t < 8 * b + 8; t += span) {
                         for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                        gg_panel_steps(M, slot, xq, t, span, s16);
+                        gg_panel_steps(M, slot[0], xq, t, span, s16);
                         for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], ones));
                     }
                 }
-                __m256 D = _mm256_load_ps(f + 8 * b);
-                for (int r = 0; r < M; r++) {
-                    int32_t bs = b32[r][b];
-                    __m256i I = i32[r];
-                    if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_set1_epi32(GG_OFFSET(type) * bs));
-                    __m256 xdv = _mm256_set1_ps(xd[r][b]);
-                    A[8 * r + b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + b]);
-                    if (GG_HAS_MIN(type))
-                        A[8 * r + b] = _mm256_fmadd_ps(_mm256_set1_ps((float)bs),
-                                                       _mm256_mul_ps(_mm256_load_ps(f + 64 + 8 * b), xdv), A[8 * r + b]);
+                for (int p = 0; p < NP; p++) {
+                    __m256 D = _mm256_load_ps(f[p] + 8 * b);
+                    for (int r = 0; r < M; r++) {
+                        __m256 *acc = A + 8 * (GG_TILE * p + r) + b;
+                        int32_t bs = b32[r][b];
+                        __m256i I = i32[GG_TILE * p + r];
+                        if (GG_OFFSET(type)) I = _mm256_sub_epi32(I, _mm256_set1_epi32(GG_OFFSET(type) * bs));
+                        __m256 xdv = _mm256_set1_ps(xd[r][b]);
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), *acc);
+                        if (GG_HAS_MIN(type))
+                            *acc = _mm256_fmadd_ps(_mm256_set1_ps((float)bs),
+                                                   _mm256_mul_ps(_mm256_load_ps(f[p] + 64 + 8 * b), xdv), *acc);
+                    }
                 }
             }
             continue;
         }
         const int unit = type == GG_Q6_K ? 4 : 8; /* steps under one sub-block scale */
-        for (int r = 0; r < M; r++) i32[r] = _mm256_setzero_si256();
+        for (int r = 0; r < 2 * GG_TILE; r++) i32[r] = _mm256_setzero_si256();
         /* With VNNI, a sub-block's sums in int32, times its scale (the int16 pair's upper half,
          * sign-extended: Q6_K's scales are signed) */
         if (GG_VNNI) {
 #pragma GCC unroll 1
             for (int t = 0; t < 64; t += unit) {
                 __m256i u32[2 * GG_TILE];
-                for (int r = 0; r < M; r++) u32[r] = u32[GG_TILE + r] = _mm256_setzero_si256();
-                gg_panel_dots(type, M, slot, xq, t, unit, u32);
-                __m256i scv = _mm256_srai_epi32(_mm256_load_si256(sc + t / unit), 16);
-                for (int r = 0; r < M; r++)
-                    i32[r] = _mm256_add_epi32(i32[r], _mm256_mullo_epi32(_mm256_add_epi32(u32[r], u32[GG_TILE + r]), scv));
+                for (int r = 0; r < 2 * GG_TILE; r++) u32[r] = _mm256_setzero_si256();
+                gg_panel_dots(type, M, NP, slot, xq, t, unit, u32);
+                for (int p = 0; p < NP; p++) {
+                    __m256i scv = _mm256_srai_epi32(_mm256_load_si256(sc[p] + t / unit), 16);
+                    for (int r = 0; r < M; r++) {
+                        __m256i s = NP == 1 ? _mm256_add_epi32(u32[r], u32[GG_TILE + r]) : u32[GG_TILE * p + r];
+                        i32[GG_TILE * p + r] = _mm256_add_epi32(i32[GG_TILE * p + r], _mm256_mullo_epi32(s, scv));
+                    }
+                }
             }
         } else {
 #pragma GCC unroll 1
             for (int t = 0; t < 64; t += span) {
                 for (int r = 0; r < M; r++) s16[r] = _mm256_setzero_si256();
-                gg_panel_steps(M, slot, xq, t, span, s16);
-                __m256i scv = _mm256_load_si256(sc + t / unit);
+                gg_panel_steps(M, slot[0], xq, t, span, s16);
+                __m256i scv = _mm256_load_si256(sc[0] + t / unit);
                 for (int r = 0; r < M; r++) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(s16[r], scv));
             }
         }
-        __m256 D = _mm256_load_ps(f);
-        for (int r = 0; r < M; r++) {
-            __m256 xdv = _mm256_set1_ps(xd[r][0]);
-            __m256i I = i32[r];
-            if (type == GG_Q6_K) { /* 32 * sum of sc[u] * the activations' 16-value sums */
-                const int16_t *x16 = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
-                __m256i o = _mm256_setzero_si256();
-                for (int i = 0; i < 8; i++) {
-                    int32_t p;
-                    memcpy(&p, x16 + 2 * i, 4);
-                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+        for (int p = 0; p < NP; p++) {
+            __m256 D = _mm256_load_ps(f[p]);
+            for (int r = 0; r < M; r++) {
+                __m256 *acc = A + 8 * (GG_TILE * p + r) + g % 8;
+                __m256 xdv = _mm256_set1_ps(xd[r][0]);
+                __m256i I = i32[GG_TILE * p + r];
+                if (type == GG_Q6_K) { /* 32 * sum of sc[u] * the activations' 16-value sums */
+                    const int16_t *x16 = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
+                    __m256i o = _mm256_setzero_si256();
+                    for (int i = 0; i < 8; i++) {
+                        int32_t v;
+                        memcpy(&v, x16 + 2 * i, 4);
+                        o = GG_DPWSSD(o, _mm256_load_si256(pair[p] + i), _mm256_set1_epi32(v));
+                    }
+                    I = _mm256_sub_epi32(I, _mm256_slli_epi32(o, 5));
                 }
-                I = _mm256_sub_epi32(I, _mm256_slli_epi32(o, 5));
-            }
-            A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), A[8 * r + g % 8]);
-            if (type != GG_Q6_K) {
-                __m256i mn = _mm256_setzero_si256();
-                for (int i = 0; i < 4; i++) {
-                    int32_t p;
-                    memcpy(&p, b32[r] + 2 * i, 4);
-                    mn = _mm256_add_epi32(mn, _mm256_madd_epi16(_mm256_load_si256(pair + i), _mm256_set1_epi32(p)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(D, xdv), *acc);
+                if (type != GG_Q6_K) {
+                    __m256i mn = _mm256_setzero_si256();
+                    for (int i = 0; i < 4; i++) {
+                        int32_t v;
+                        memcpy(&v, b32[r] + 2 * i, 4);
+                        mn = GG_DPWSSD(mn, _mm256_load_si256(pair[p] + i), _mm256_set1_epi32(v));
+                    }
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(_mm256_load_ps(f[p] + 8), xdv), *acc);
                 }
-                A[8 * r + g % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(_mm256_load_ps(f + 8), xdv),
-                                                   A[8 * r + g % 8]);
             }
         }
     }
@@ -238,25 +269,35 @@ INLINE __m256 gg_panel_sum(const __m256 *A) {
     return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
 }
 
-/* The tiles, one per (type, M), and each type's panel builder: the type and the row count constant in each */
-typedef void (*gg_tile_fn)(const uint8_t *, const gg_act *, int64_t, int64_t, __m256 *);
+/* The tiles, one per (type, M, panels), and each type's panel builder: all constant in each */
+typedef void (*gg_tile_fn)(const uint8_t *, int64_t, const gg_act *, int64_t, int64_t, __m256 *);
 typedef void (*gg_build_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, uint8_t *, uint8_t *);
 typedef struct {
-    gg_tile_fn tile[GG_TILE];
+    gg_tile_fn tile[GG_NP][GG_TILE]; /* [panels - 1][rows - 1] */
     gg_build_fn build;
 } gg_kernels;
-#define GG_TILE_FN(name, T, M)                                                                      \
-    static void name##_tile_##M(const uint8_t *p, const gg_act *a, int64_t r0, int64_t nb, __m256 *A) { \
-        gg_panel_tile(T, M, p, a, r0, nb, A);                                                       \
+#define GG_TILE_FN(name, T, M, NP)                                                                               \
+    static void name##_tile_##M##_##NP(const uint8_t *p, int64_t ps, const gg_act *a, int64_t r0, int64_t nb, \
+                                       __m256 *A) {                                                             \
+        gg_panel_tile(T, M, NP, p, ps, a, r0, nb, A);                                                          \
     }
-#define GG_PANEL_FNS(name, T)                                                                                 \
-    GG_TILE_FN(name, T, 1) GG_TILE_FN(name, T, 2) GG_TILE_FN(name, T, 3) GG_TILE_FN(name, T, 4)               \
-    static void name##_build(const uint8_t *w, int64_t rb, int cols, int64_t nblk, int64_t kq, uint8_t *p,     \
-                             uint8_t *buf) {                                                                  \
-        gg_panel_build(T, w, rb, cols, nblk, kq, p, buf);                                                     \
-    }                                                                                                         \
-    static const gg_kernels name##_kernels = {{name##_tile_1, name##_tile_2, name##_tile_3, name##_tile_4},   \
-                                              name##_build};
+#if GG_NP == 2
+#define GG_TILES2(name, T) \
+    GG_TILE_FN(name, T, 1, 2) GG_TILE_FN(name, T, 2, 2) GG_TILE_FN(name, T, 3, 2) GG_TILE_FN(name, T, 4, 2)
+#define GG_TILE_ROWS2(name) , {name##_tile_1_2, name##_tile_2_2, name##_tile_3_2, name##_tile_4_2}
+#else
+#define GG_TILES2(name, T)
+#define GG_TILE_ROWS2(name)
+#endif
+#define GG_PANEL_FNS(name, T)                                                                                    \
+    GG_TILE_FN(name, T, 1, 1) GG_TILE_FN(name, T, 2, 1) GG_TILE_FN(name, T, 3, 1) GG_TILE_FN(name, T, 4, 1)      \
+    GG_TILES2(name, T)                                                                                           \
+    static void name##_build(const uint8_t *w, int64_t rb, int cols, int64_t nblk, int64_t kq, uint8_t *p,        \
+                             uint8_t *buf) {                                                                     \
+        gg_panel_build(T, w, rb, cols, nblk, kq, p, buf);                                                        \
+    }                                                                                                            \
+    static const gg_kernels name##_kernels = {                                                                   \
+        {{name##_tile_1_1, name##_tile_2_1, name##_tile_3_1, name##_tile_4_1} GG_TILE_ROWS2(name)}, name##_build};
 GG_PANEL_FNS(gg_q4_0, GG_Q4_0)
 GG_PANEL_FNS(gg_q4_1, GG_Q4_1)
 GG_PANEL_FNS(gg_q5_0, GG_Q5_0)
@@ -300,34 +341,48 @@ static uint8_t *gg_panel_scratch(size_t bytes) {
  * once per panel. The panels are decoded again each pass: over 256 rows that is a few percent. */
 #define GG_PANEL_PASS 256
 
-/* Threads take panels of 8 weight rows; each panel meets a pass's activation rows, 4 at a time.
- * The tiles start at the same rows (multiples of 4) whatever the pass, so a row's result is the
- * same bits as without passes. */
+/* Threads take GG_NP panels of 8 weight rows at a time; each meets a pass's activation rows, 4
+ * at a time. The tiles start at the same rows (multiples of 4) whatever the pass, so a row's
+ * result is the same bits as without passes. */
 void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk, const gg_act *a,
                      int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
     const gg_kernels *kern = gg_kernels_of(type);
-    int64_t groups = (nblk + 7) / 8;
-    uint8_t *panel = gg_panel_scratch((size_t)(groups * GG_SLOT + GG_NR * a->kq));
-    uint8_t *rowbuf = panel + groups * GG_SLOT;
-    __m256 A[8 * GG_TILE];
+    const int64_t groups = (nblk + 7) / 8, pstride = groups * GG_SLOT, panels = (n + GG_NR - 1) / GG_NR;
+    uint8_t *panel = gg_panel_scratch((size_t)(GG_NP * pstride + GG_NR * a->kq));
+    uint8_t *rowbuf = panel + GG_NP * pstride;
+    __m256 A[8 * GG_TILE * GG_NP];
     for (int64_t rb = 0; rb < m; rb += GG_PANEL_PASS) {
         int64_t re = m - rb < GG_PANEL_PASS ? m : rb + GG_PANEL_PASS;
         /* no barrier between passes: each writes its own rows of y, and a thread takes the same
          * panels in every pass (static schedule) */
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < (n + GG_NR - 1) / GG_NR; p++) {
-            int64_t j0 = p * GG_NR;
-            int cols = n - j0 < GG_NR ? (int)(n - j0) : GG_NR;
-            kern->build(w + j0 * row_bytes, row_bytes, cols, nblk, a->kq, panel, rowbuf);
-            float b[GG_NR] = {0}, out[GG_NR];
+        for (int64_t pp = 0; pp < (panels + GG_NP - 1) / GG_NP; pp++) {
+            const int np = panels - GG_NP * pp < GG_NP ? (int)(panels - GG_NP * pp) : GG_NP;
+            const int64_t j0 = pp * GG_NP * GG_NR;
+            float b[GG_NP * GG_NR] = {0}, out[GG_NR];
+            for (int p = 0; p < np; p++) {
+                int64_t jp = j0 + p * GG_NR;
+                int cols = n - jp < GG_NR ? (int)(n - jp) : GG_NR;
+                kern->build(w + jp * row_bytes, row_bytes, cols, nblk, a->kq, panel + p * pstride, rowbuf);
+            }
+            const int64_t cols = n - j0 < GG_NP * GG_NR ? n - j0 : GG_NP * GG_NR;
             for (int c = 0; bias && c < cols; c++) b[c] = load1(bias, y_bf16, j0 + c);
+            /* the next panels' weights (this thread's, as the schedule is static) prefetched to
+             * L2 a share per tile: their build otherwise waits on memory, the tiles idle */
+            const int64_t jn = j0 + GG_NP * GG_NR, nn = n - jn < GG_NP * GG_NR ? n - jn : GG_NP * GG_NR;
+            const uint8_t *pf = w + jn * row_bytes, *pf_end = pf + (nn > 0 ? nn * row_bytes : 0);
+            const int64_t tiles = (re - rb + GG_TILE - 1) / GG_TILE;
+            const int64_t pf_step = ((pf_end - pf) / tiles + 63) / 64 * 64;
             for (int64_t r0 = rb; r0 < re; r0 += GG_TILE) {
                 int M = re - r0 < GG_TILE ? (int)(re - r0) : GG_TILE;
-                kern->tile[M - 1](panel, a, r0, nblk, A);
-                for (int r = 0; r < M; r++) {
-                    _mm256_storeu_ps(out, gg_panel_sum(A + 8 * r));
-                    for (int c = 0; c < cols; c++) store1(y, y_bf16, (r0 + r) * ldy + j0 + c, out[c] + b[c]);
-                }
+                for (const uint8_t *e = pf + pf_step; pf < e && pf < pf_end; pf += 64) _mm_prefetch((const char *)pf, _MM_HINT_T1);
+                kern->tile[np - 1][M - 1](panel, pstride, a, r0, nblk, A);
+                for (int p = 0; p < np; p++)
+                    for (int r = 0; r < M; r++) {
+                        _mm256_storeu_ps(out, gg_panel_sum(A + 8 * (GG_TILE * p + r)));
+                        for (int c = 0; c < GG_NR && p * GG_NR + c < cols; c++)
+                            store1(y, y_bf16, (r0 + r) * ldy + j0 + p * GG_NR + c, out[c] + b[p * GG_NR + c]);
+                    }
             }
         }
     }

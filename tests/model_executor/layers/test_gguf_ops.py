@@ -119,14 +119,17 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype, long_rows):
 
 @uses_kernels
 @pytest.mark.parametrize("qtype", QUANTIZED)
-def test_bias_bf16_and_a_column_slice_of_the_output(qtype):
-    k = 256
-    raw = _weight(qtype, N, k)
+@pytest.mark.parametrize("m", [5, 11])
+def test_bias_bf16_and_a_column_slice_of_the_output(qtype, m):
+    """5 rows: a weight row at a time; 11: panels, here 7 of them (the last of 3 columns), so
+    the last is run alone where a tile runs them in pairs."""
+    k, n = 256, N + 3
+    raw = _weight(qtype, n, k)
     w = torch.from_numpy(raw)
     ref_w = _dequantized(qtype, raw, k).double()
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, k, generator=gen)
-    bias = torch.randn(N, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
     y = gguf_ops.gguf_linear(x, qtype, w, k, bias)
     assert _rel(y, x.double() @ ref_w.T + bias.double()) < 2e-2
 
@@ -135,12 +138,12 @@ def test_bias_bf16_and_a_column_slice_of_the_output(qtype):
     assert yb.dtype == torch.bfloat16
     assert _rel(yb, xb.double() @ ref_w.T + bb.double()) < 2.5e-2
 
-    # a q/k/v-style segment: columns [7, 7 + N) of a wider output, the rest untouched
-    wide = torch.full((5, N + 20), 1234.5)
-    out = gguf_ops.gguf_linear(x, qtype, w, k, bias, out=wide[:, 7 : 7 + N])
+    # a q/k/v-style segment: columns [7, 7 + n) of a wider output, the rest untouched
+    wide = torch.full((m, n + 20), 1234.5)
+    out = gguf_ops.gguf_linear(x, qtype, w, k, bias, out=wide[:, 7 : 7 + n])
     assert out.data_ptr() == wide[:, 7:].data_ptr()
-    assert torch.equal(wide[:, 7 : 7 + N], y) or not _kernels_built() and torch.allclose(wide[:, 7 : 7 + N], y)
-    assert (wide[:, :7] == 1234.5).all() and (wide[:, 7 + N :] == 1234.5).all()
+    assert torch.equal(wide[:, 7 : 7 + n], y) or not _kernels_built() and torch.allclose(wide[:, 7 : 7 + n], y)
+    assert (wide[:, :7] == 1234.5).all() and (wide[:, 7 + n :] == 1234.5).all()
 
 
 @uses_kernels
