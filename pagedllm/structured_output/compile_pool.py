@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.structured_output.compile_worker import new_compiler, run_recipe
 from pagedllm.structured_output.grammar import clean_message
 from pagedllm.structured_output.limits import TIMEOUT_ENV
 
@@ -247,11 +248,8 @@ class CompilePool:
         are gone meanwhile: a client may retry)."""
         try:
             if self._compiler is None:
-                import xgrammar as xgr
-
-                self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-            kind, args, kwargs = job.recipe
-            grammar = getattr(self._compiler, f"compile_{kind}")(*args, **kwargs)
+                self._compiler = new_compiler(self.info)
+            grammar = run_recipe(self._compiler, job.recipe)
         except Exception as e:  # the child compiled it: a failure here is still the request's
             self._finish(job, error=f"invalid {job.label}: {clean_message(str(e) or type(e).__name__)}")
             return

@@ -20,22 +20,35 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
+
+
+def new_compiler(info: Any) -> Any:
+    """One-thread compiler for xgrammar TokenizerInfo `info`, the same in the child and in the
+    engine. No cache: the engine caches compiled grammars, and a cache here would hold copies."""
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def run_recipe(compiler: Any, recipe: tuple[str, tuple, dict]) -> Any:
+    """A compile job (kind, args, kwargs) as the `GrammarCompiler.compile_<kind>` call it names."""
+    kind, args, kwargs = recipe
+    return getattr(compiler, f"compile_{kind}")(*args, **kwargs)
 
 
 def serve(recv: Connection, send: Connection) -> None:
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.deserialize_json(recv.recv())
-    # The engine caches compiled grammars; a cache here would only hold a copy of them.
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiler = new_compiler(xgr.TokenizerInfo.deserialize_json(recv.recv()))
     send.send(("ready", None))
     while True:
         try:
-            kind, args, kwargs = recv.recv()
+            recipe = recv.recv()
         except EOFError:
             return
         try:
-            getattr(compiler, f"compile_{kind}")(*args, **kwargs)
+            run_recipe(compiler, recipe)
             reply = ("ok", None)
         except Exception as e:  # any compile failure is the request's, sent back as text
             reply = ("error", str(e) or type(e).__name__)
