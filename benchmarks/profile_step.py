@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py --batch 1 --quantization int4 --steps 20
     python benchmarks/profile_step.py --model /work/models/gemma3-4b-q4_k_m.gguf --max-model-len 8192
 
-Random token-id prompts of 32 tokens, greedy, ignore_eos (the W1 / W2 workloads); the first
+Random token-id prompts of 32 tokens, greedy (or --temperature), ignore_eos (the W1 / W2 workloads); the first
 10 steps (prefill and warm-up) are not profiled. Prints wall ms and minor page faults per
 step, then the ops by self CPU time.
 """
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="1.0: random sampling over the full head, as `bench throughput` samples")
     parser.add_argument("--rows", type=int, default=25, help="ops to print")
     args = parser.parse_args()
 
@@ -37,7 +39,7 @@ def main() -> None:
         kwargs["max_model_len"] = args.max_model_len
     engine = LLM(quantization=args.quantization, **kwargs).llm_engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=10 + 2 * args.steps + 10, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=10 + 2 * args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randint(100, 20000) for _ in range(32)]}, params)
     for _ in range(10):

@@ -1,0 +1,96 @@
+/* The core's ceiling for the GGUF panels: 256-bit vpdpbusd throughput with no memory traffic, and
+ * the same multiply-adds in the panels' shape (4 activation rows x 16 outputs, a row's 16 bytes
+ * broadcast per 4 steps by vpshufd, each 8-step sub-block's int32 sum scaled by vpmulld), with
+ * the weights and activations streamed from L1/L2 as a panel's are.
+ *
+ *   gcc -O2 -march=native benchmarks/vnni_peak.c -o /tmp/vnni_peak && /tmp/vnni_peak
+ *
+ * One thread; a vpdpbusd on 256 bits is 32 multiply-adds. The clock is estimated from a chain of
+ * dependent integer adds (one a cycle). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static double clock_ghz(void) {
+    uint64_t x = 0;
+    const long n = 500000000L;
+    double t0 = now();
+    for (long i = 0; i < n; i++) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+    return 4.0 * n / (now() - t0) / 1e9;
+}
+
+/* C independent accumulators, registers only: the instruction's throughput once its latency is
+ * covered */
+#define CHAINS(C)                                                                                   \
+    static double chains_##C(long n) {                                                              \
+        __m256i acc[C], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);                           \
+        for (int i = 0; i < C; i++) acc[i] = _mm256_set1_epi32(i);                                  \
+        double t0 = now();                                                                          \
+        for (long i = 0; i < n; i++) {                                                              \
+            for (int j = 0; j < C; j++) acc[j] = _mm256_dpbusd_epi32(acc[j], a, b);                 \
+            __asm__ volatile("" : "+x"(a));                                                         \
+        }                                                                                           \
+        double t = now() - t0;                                                                      \
+        int s = 0;                                                                                  \
+        for (int i = 0; i < C; i++) s += _mm256_extract_epi32(acc[i], 0);                           \
+        if (s == 42) printf(" ");                                                                   \
+        return (double)n * C / t;                                                                   \
+    }
+CHAINS(8)
+CHAINS(16)
+
+/* The panel tile's inner loop: 4 rows x 2 panels, 8-step units, a scale multiply per unit */
+static double panel_shape(const uint8_t *w, const int8_t *x, long n) {
+    __m256i tot[8];
+    for (int i = 0; i < 8; i++) tot[i] = _mm256_setzero_si256();
+    double t0 = now();
+    for (long u0 = 0; u0 < n; u0 += 8) {
+        __m256i u[8];
+        for (int i = 0; i < 8; i++) u[i] = _mm256_setzero_si256();
+        for (long t = u0; t < u0 + 8; t += 4) {
+            long tw = t & 2047, tx = (4 * t) & 8191;
+            __m256i wv[2][4];
+            for (int p = 0; p < 2; p++)
+                for (int s = 0; s < 4; s++)
+                    wv[p][s] = _mm256_load_si256((const __m256i *)(w + 65600 * p + 32 * (tw + s)));
+            for (int r = 0; r < 4; r++) {
+                __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 8256 * r + tx)));
+                __m256i xb[4] = {_mm256_shuffle_epi32(v, 0x00), _mm256_shuffle_epi32(v, 0x55),
+                                 _mm256_shuffle_epi32(v, 0xAA), _mm256_shuffle_epi32(v, 0xFF)};
+                for (int s = 0; s < 4; s++)
+                    for (int p = 0; p < 2; p++) u[2 * r + p] = _mm256_dpbusd_epi32(u[2 * r + p], wv[p][s], xb[s]);
+            }
+        }
+        __m256i sc = _mm256_srai_epi32(_mm256_load_si256((const __m256i *)(w + 32 * (u0 & 2047))), 16);
+        for (int i = 0; i < 8; i++) tot[i] = _mm256_add_epi32(tot[i], _mm256_mullo_epi32(u[i], sc));
+    }
+    double t = now() - t0;
+    int s = 0;
+    for (int i = 0; i < 8; i++) s += _mm256_extract_epi32(tot[i], 0);
+    if (s == 42) printf(" ");
+    return (double)n * 8 / t;
+}
+
+int main(void) {
+    uint8_t *w = aligned_alloc(64, 1 << 18);
+    int8_t *x = aligned_alloc(64, 1 << 16);
+    for (int i = 0; i < 1 << 18; i++) w[i] = (uint8_t)(i * 7);
+    for (int i = 0; i < 1 << 16; i++) x[i] = (int8_t)(i * 13);
+    double ghz = clock_ghz();
+    printf("clock ~%.2f GHz\n", ghz);
+    double r8 = chains_8(200000000L), r16 = chains_16(100000000L), rp = panel_shape(w, x, 40000000L);
+    printf("vpdpbusd, 8 chains:   %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", r8 / 1e9, 32 * r8 / 1e9, r8 / ghz / 1e9);
+    printf("vpdpbusd, 16 chains:  %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", r16 / 1e9, 32 * r16 / 1e9, r16 / ghz / 1e9);
+    printf("panel tile's shape:   %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", rp / 1e9, 32 * rp / 1e9, rp / ghz / 1e9);
+    free(w);
+    free(x);
+    return 0;
+}
