@@ -5,7 +5,8 @@
  * activation row against it: 4 activation values broadcast, one vpmaddubsw per step and row, the
  * int16 products summed over as many steps as cannot overflow (a span: 8 for 4-bit quants, 4 for
  * 5-bit, 2 for 6-bit) before one vpmaddwd by the span's scale. With VNNI a step is one vpdpbusd
- * into int32 instead, and a K sub-block's sum is multiplied by its scale once (vpmulld).
+ * into int32 instead, and a K sub-block's sum is multiplied by its scale once (vpmulld); with
+ * AVX-512's 32 registers a tile runs two panels (16 outputs) against each broadcast.
  * Decoding costs once per panel instead of once per 4 activation rows, and a step serves 8
  * outputs with no horizontal sums.
  * The per-unit integer sums are gg_row's, and so are the float operations on them. */

@@ -19,7 +19,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.forward_context import set_forward_context
 from pagedllm.model_executor.layers.attention import Attention
-from pagedllm.model_executor.layers.sampler import SamplingMetadata, exponential_race, greedy_argmax
+from pagedllm.model_executor.layers.sampler import SamplingMetadata, greedy_argmax, random_draw
 from pagedllm.model_executor.loader.model_loader import get_model
 from pagedllm.spec_decode.rejection_sampler import target_probs
 
@@ -145,7 +145,7 @@ class DraftModelProposer(KVDrafter):
         q_rows = target_probs(logits[torch.tensor(sampled, device=dev)], md,
                               torch.tensor([live[n] for n in sampled], device=dev))
         gens = {j: md.generators[live[n]] for j, n in enumerate(sampled) if live[n] in md.generators}
-        tokens = exponential_race(q_rows.clone(), gens, self.generator).tolist()
+        tokens = random_draw(q_rows, gens, self.generator).tolist()
         for q, n, tok in zip(q_rows, sampled, tokens):
             out[n] = tok
             probs[live[n]].append(q)

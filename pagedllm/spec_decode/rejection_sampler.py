@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model_executor.layers.sampler import exponential_race
+from pagedllm.model_executor.layers.sampler import random_draw
 from pagedllm.model_executor.layers.sampler import sampling_probs as target_probs
 
 __all__ = ["accept_certain", "accept_sampled", "target_probs"]
@@ -52,4 +52,4 @@ def accept_sampled(
     residual = (p[n] - q[n]).clamp_(min=0)
     if float(residual.sum()) <= 0:  # p == q where it matters: any draw from p is right
         residual = p[n]
-    return drafts[:n] + [int(exponential_race(residual[None], {0: generator}, generator)[0])]
+    return drafts[:n] + [int(random_draw(residual[None], {0: generator}, generator)[0])]

@@ -145,37 +145,49 @@ class Sampler:
         if md.top_p is not None:
             mass_above = probs.cumsum(dim=-1) - probs
             probs = probs.masked_fill(mass_above >= md.top_p[idx].unsqueeze(1), 0.0)
-        choice = self._exponential_race(probs, gens, widths)
+        choice = self._random_draw(probs, gens)
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
-        return self._exponential_race(sampling_probs(logits, md, idx), gens)
+        return self._random_draw(sampling_probs(logits, md, idx), gens)
 
-    def _exponential_race(
-        self, probs: torch.Tensor, generators: dict[int, torch.Generator], widths: list[int] | None = None
-    ) -> torch.Tensor:
-        return exponential_race(probs, generators, self.generator, widths)
+    def _random_draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        return random_draw(probs, generators, self.generator)
 
 
-def exponential_race(
+def random_draw(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
     default: torch.Generator | None,
-    widths: list[int] | None = None,
 ) -> torch.Tensor:
-    """One draw per row of `probs` (overwritten): argmax(p / E) with E ~ Exp(1) is a sample
-    from p (the Gumbel-max trick in another form). Rows in `generators` use their own (seeded)
-    generator, which makes them batch-independent; the rest share `default`. Every generator is
-    on `probs`' device (a CPU generator cannot draw into a CUDA tensor)."""
-    q = torch.empty_like(probs)
+    """One draw per row of `probs` (>= 0, normalised or not; zeros are never drawn), by inverse
+    CDF: one uniform number a row, the first index whose running sum passes it. Rows in
+    `generators` take theirs from their own (seeded) generator, one number a step whatever
+    else is in the batch; the rest share `default`. Every generator is on `probs`' device. A row
+    with NaNs gets its first NaN, as argmax would give it."""
+    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
     if len(generators) < probs.shape[0]:
-        q.exponential_(generator=default)
-    elif widths is not None:
-        q.fill_(1.0)  # past a row's width: never garbage (0 / 0 = NaN would win the argmax)
+        u.uniform_(generator=default)
     for row, gen in generators.items():
-        width = widths[row] if widths is not None else probs.shape[1]
-        q[row, :width].exponential_(generator=gen)
-    return greedy_argmax(probs.div_(q))
+        u[row : row + 1].uniform_(generator=gen)
+    choice = _inverse_cdf(probs, u)
+    bad = choice < 0
+    if bool(bad.any()):
+        choice[bad] = greedy_argmax(probs[bad])
+    return choice
+
+
+def _inverse_cdf_native(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Running sums in float64, then the first index where one passes u times the row's sum
+    (-1 where that sum is not a positive finite number)."""
+    cum = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cum[:, -1:]
+    choice = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True).squeeze(1)
+    ok = (total.squeeze(1) > 0) & total.squeeze(1).isfinite()
+    return torch.where(ok, choice.clamp_(max=probs.shape[1] - 1), -1)
+
+
+_inverse_cdf = CustomFn(_inverse_cdf_native, cpu=lambda probs, u: cpu_kernels.sample_from_probs(probs, u))
 
 
 _ARGMAX_CHUNK = 1024

@@ -34,9 +34,9 @@ class _CapturingSampler(Sampler):
 
     probs: torch.Tensor | None = None
 
-    def _exponential_race(self, probs, *args, **kwargs):
+    def _random_draw(self, probs, *args, **kwargs):
         self.probs = probs.clone()
-        return super()._exponential_race(probs, *args, **kwargs)
+        return super()._random_draw(probs, *args, **kwargs)
 
 
 def _final_probs(logits: torch.Tensor, md: SamplingMetadata) -> np.ndarray:

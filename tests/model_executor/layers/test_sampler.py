@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from pagedllm.model_executor.layers import cpu_kernels
-from pagedllm.model_executor.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, greedy_argmax
+from pagedllm.model_executor.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    _inverse_cdf_native,
+    apply_top_k_top_p,
+    greedy_argmax,
+    random_draw,
+)
 
 
 def _md(n, temperature=1.0, top_k=None, top_p=None, greedy=None, generators=None):
@@ -94,3 +101,45 @@ def test_greedy_argmax_is_the_first_maximum(vocab, dtype, use_kernel, monkeypatc
     x[0, vocab // 3] = x[0, vocab // 3 + 1] = x[0, vocab - 2] = 60  # same lane, other lanes
     assert torch.equal(greedy_argmax(x), x.max(dim=-1).indices)
     assert len(calls) == (1 if use_kernel and built else 0)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_random_draw_follows_the_distribution(use_kernel, monkeypatch):
+    """The inverse-CDF draw, through pagedllm's C kernel and through torch: frequencies of an
+    unnormalised row, zeros never drawn, mass spread over many of the kernel's 512-value blocks,
+    and rows with nothing to draw from."""
+    if not use_kernel:
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    weights = torch.tensor([3.0, 0.0, 1.0, 0.5, 0.0, 2.5])
+    n = 40000
+    out = random_draw(weights.repeat(n, 1), {}, torch.Generator().manual_seed(0))
+    freq = torch.bincount(out, minlength=6).double() / n
+    assert freq[1] == 0 and freq[4] == 0
+    assert torch.allclose(freq, weights.double() / weights.sum(), atol=0.01), freq
+
+    vocab, hot = 5000, torch.tensor([0, 511, 512, 2600, 4999])
+    row = torch.zeros(vocab)
+    row[hot] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    out = random_draw(row.repeat(3000, 1), {}, torch.Generator().manual_seed(1))
+    freq = torch.bincount(out, minlength=vocab).double() / 3000
+    assert freq.sum() == 1 and freq[hot].sum() == 1
+    assert torch.allclose(freq[hot], row[hot].double() / 15, atol=0.03), freq[hot]
+
+    odd = torch.rand(3, 700)
+    odd[0, 9] = float("nan")  # a NaN row: its first NaN, as argmax gives it
+    odd[1] = 0  # nothing to draw: index 0, as argmax gives it
+    odd[2, :650] = 0  # all mass in the last, short block
+    got = random_draw(odd, {}, torch.Generator().manual_seed(2)).tolist()
+    assert got[:2] == [9, 0] and 650 <= got[2] < 700
+
+
+def test_the_kernel_draws_what_torch_draws():
+    """Same probabilities, same uniform numbers: the same tokens (sums in double either way)."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("pagedllm's C kernels are not built here")
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 20000, generator=gen) ** 8  # a few large values, a long thin tail
+    probs[:, ::7] = 0
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2**-53
+    assert torch.equal(cpu_kernels.sample_from_probs(probs, u), _inverse_cdf_native(probs, u))
