@@ -3,10 +3,12 @@
  * broadcast per 4 steps by vpshufd, each 8-step sub-block's int32 sum scaled by vpmulld), with
  * the weights and activations streamed from L1/L2 as a panel's are.
  *
- *   gcc -O2 -march=native benchmarks/vnni_peak.c -o /tmp/vnni_peak && /tmp/vnni_peak
+ *   gcc -O3 -march=native benchmarks/vnni_peak.c -o /tmp/vnni_peak && /tmp/vnni_peak
  *
  * One thread; a vpdpbusd on 256 bits is 32 multiply-adds. The clock is estimated from a chain of
- * dependent integer adds (one a cycle). */
+ * dependent integer adds (one a cycle). Every loop over accumulators is unrolled, so they stay in
+ * registers: an accumulator kept in memory makes each vpdpbusd wait on a store and a load, and
+ * the loop measures that instead (half the rate at 16 chains). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,25 +29,46 @@ static double clock_ghz(void) {
     return 4.0 * n / (now() - t0) / 1e9;
 }
 
-/* C independent accumulators, registers only: the instruction's throughput once its latency is
- * covered */
-#define CHAINS(C)                                                                                   \
-    static double chains_##C(long n) {                                                              \
-        __m256i acc[C], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);                           \
-        for (int i = 0; i < C; i++) acc[i] = _mm256_set1_epi32(i);                                  \
-        double t0 = now();                                                                          \
-        for (long i = 0; i < n; i++) {                                                              \
-            for (int j = 0; j < C; j++) acc[j] = _mm256_dpbusd_epi32(acc[j], a, b);                 \
-            __asm__ volatile("" : "+x"(a));                                                         \
-        }                                                                                           \
-        double t = now() - t0;                                                                      \
-        int s = 0;                                                                                  \
-        for (int i = 0; i < C; i++) s += _mm256_extract_epi32(acc[i], 0);                           \
-        if (s == 42) printf(" ");                                                                   \
-        return (double)n * C / t;                                                                   \
+/* 8 or 16 independent accumulators, registers only: the instruction's throughput once its
+ * latency is covered. The instructions are written out (inline asm) so that nothing but them
+ * runs in the loop. */
+#define DP(i) "vpdpbusd %[y], %[x], %" #i "\n\t"
+static double chains_8(long n) {
+    __m256i a0 = _mm256_set1_epi32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
+    double t0 = now();
+    for (long i = 0; i < n; i++)
+        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
+                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7)
+                         : [x] "v"(x), [y] "v"(y));
+    double t = now() - t0;
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                                 _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
+    if (_mm256_extract_epi32(s, 0) == 42) printf(" ");
+    return (double)n * 8 / t;
+}
+
+static double chains_16(long n) {
+    __m256i a0 = _mm256_set1_epi32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
+    double t0 = now();
+    for (long i = 0; i < n; i++) { /* two statements: an asm takes at most 30 operands */
+        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
+                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7)
+                         : [x] "v"(x), [y] "v"(y));
+        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
+                         : "+v"(b0), "+v"(b1), "+v"(b2), "+v"(b3), "+v"(b4), "+v"(b5), "+v"(b6), "+v"(b7)
+                         : [x] "v"(x), [y] "v"(y));
     }
-CHAINS(8)
-CHAINS(16)
+    double t = now() - t0;
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                                 _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
+    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(b2, b3)),
+                                             _mm256_add_epi32(_mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
+    if (_mm256_extract_epi32(s, 0) == 42) printf(" ");
+    return (double)n * 16 / t;
+}
 
 /* The panel tile's inner loop: 4 rows x 2 panels, 8-step units, a scale multiply per unit */
 static double panel_shape(const uint8_t *w, const int8_t *x, long n) {
@@ -55,17 +78,23 @@ static double panel_shape(const uint8_t *w, const int8_t *x, long n) {
     for (long u0 = 0; u0 < n; u0 += 8) {
         __m256i u[8];
         for (int i = 0; i < 8; i++) u[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (long t = u0; t < u0 + 8; t += 4) {
             long tw = t & 2047, tx = (4 * t) & 8191;
             __m256i wv[2][4];
+#pragma GCC unroll 2
             for (int p = 0; p < 2; p++)
+#pragma GCC unroll 4
                 for (int s = 0; s < 4; s++)
                     wv[p][s] = _mm256_load_si256((const __m256i *)(w + 65600 * p + 32 * (tw + s)));
+#pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 8256 * r + tx)));
                 __m256i xb[4] = {_mm256_shuffle_epi32(v, 0x00), _mm256_shuffle_epi32(v, 0x55),
                                  _mm256_shuffle_epi32(v, 0xAA), _mm256_shuffle_epi32(v, 0xFF)};
+#pragma GCC unroll 4
                 for (int s = 0; s < 4; s++)
+#pragma GCC unroll 2
                     for (int p = 0; p < 2; p++) u[2 * r + p] = _mm256_dpbusd_epi32(u[2 * r + p], wv[p][s], xb[s]);
             }
         }
