@@ -30,44 +30,30 @@ static double clock_ghz(void) {
 }
 
 /* 8 or 16 independent accumulators, registers only: the instruction's throughput once its
- * latency is covered. The instructions are written out (inline asm) so that nothing but them
- * runs in the loop. */
+ * latency is covered. The instructions are written out (inline asm, 8 to a statement: an asm
+ * takes at most 30 operands) so that nothing but them runs in the loop. */
 #define DP(i) "vpdpbusd %[y], %[x], %" #i "\n\t"
-static double chains_8(long n) {
-    __m256i a0 = _mm256_set1_epi32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
-    double t0 = now();
-    for (long i = 0; i < n; i++)
-        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
-                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7)
-                         : [x] "v"(x), [y] "v"(y));
-    double t = now() - t0;
-    __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                                 _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-    if (_mm256_extract_epi32(s, 0) == 42) printf(" ");
-    return (double)n * 8 / t;
-}
-
-static double chains_16(long n) {
+#define DP8(a0, a1, a2, a3, a4, a5, a6, a7)                                                        \
+    __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)                                \
+                     : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7) \
+                     : [x] "v"(x), [y] "v"(y))
+static double chains(long n, int chains) {
     __m256i a0 = _mm256_set1_epi32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
     __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
     double t0 = now();
-    for (long i = 0; i < n; i++) { /* two statements: an asm takes at most 30 operands */
-        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
-                         : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7)
-                         : [x] "v"(x), [y] "v"(y));
-        __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
-                         : "+v"(b0), "+v"(b1), "+v"(b2), "+v"(b3), "+v"(b4), "+v"(b5), "+v"(b6), "+v"(b7)
-                         : [x] "v"(x), [y] "v"(y));
-    }
+    if (chains == 8)
+        for (long i = 0; i < n; i++) DP8(a0, a1, a2, a3, a4, a5, a6, a7);
+    else
+        for (long i = 0; i < n; i++) {
+            DP8(a0, a1, a2, a3, a4, a5, a6, a7);
+            DP8(b0, b1, b2, b3, b4, b5, b6, b7);
+        }
     double t = now() - t0;
-    __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                                 _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(b2, b3)),
-                                             _mm256_add_epi32(_mm256_add_epi32(b4, b5), _mm256_add_epi32(b6, b7))));
-    if (_mm256_extract_epi32(s, 0) == 42) printf(" ");
-    return (double)n * 16 / t;
+    __m256i s[] = {a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7}, sum = a0;
+    for (int i = 1; i < 16; i++) sum = _mm256_add_epi32(sum, s[i]);
+    if (_mm256_extract_epi32(sum, 0) == 42) printf(" ");
+    return (double)n * chains / t;
 }
 
 /* The panel tile's inner loop: 4 rows x 2 panels, 8-step units, a scale multiply per unit */
@@ -115,7 +101,7 @@ int main(void) {
     for (int i = 0; i < 1 << 16; i++) x[i] = (int8_t)(i * 13);
     double ghz = clock_ghz();
     printf("clock ~%.2f GHz\n", ghz);
-    double r8 = chains_8(200000000L), r16 = chains_16(100000000L), rp = panel_shape(w, x, 40000000L);
+    double r8 = chains(200000000L, 8), r16 = chains(100000000L, 16), rp = panel_shape(w, x, 40000000L);
     printf("vpdpbusd, 8 chains:   %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", r8 / 1e9, 32 * r8 / 1e9, r8 / ghz / 1e9);
     printf("vpdpbusd, 16 chains:  %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", r16 / 1e9, 32 * r16 / 1e9, r16 / ghz / 1e9);
     printf("panel tile's shape:   %.2f G/s = %.0f GMAC/s (%.2f a cycle)\n", rp / 1e9, 32 * rp / 1e9, rp / ghz / 1e9);
