@@ -154,8 +154,9 @@ INLINE void gg_panel_tile(const int type, const int M, const int NP, const uint8
                           const gg_act *a, int64_t r0, int64_t nblk, __m256 *A) {
     const int span = type == GG_Q6_K ? 2 : (type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q5_K) ? 4 : 8;
     const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 64 /* stores, not a rep stos: its start-up is most of a short row's tile */
-    for (int i = 0; i < 8 * GG_TILE * NP; i++) A[i] = _mm256_setzero_ps();
+    for (int p = 0; p < NP; p++)
+#pragma GCC unroll 32 /* stores, not a rep stos: its start-up is most of a short row's tile */
+        for (int i = 0; i < 8 * M; i++) A[8 * GG_TILE * p + i] = _mm256_setzero_ps();
     for (int64_t g = 0; 8 * g < nblk; g++) {
         const uint8_t *slot[GG_NP];
         const __m256i *sc[GG_NP], *pair[GG_NP];
