@@ -58,7 +58,6 @@ void pl_topk_indices(const void *x, int bf16, int64_t rows, int64_t n, int64_t k
 void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim, const void *weight, int w_bf16,
                        const int64_t *idx, int64_t k, void *logits, int l_bf16, int64_t vocab, int nthreads);
 void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t stride, int64_t *out, int nthreads);
-void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const int64_t *widths, const double *u,
-                          int64_t *out, int nthreads);
+void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const double *u, int64_t *out, int nthreads);
 
 #endif /* PAGEDLLM_KERNELS_H */

@@ -97,8 +97,7 @@ void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t st
 }
 
 /* ---------- one random draw per row from unnormalised probabilities (inverse CDF) ----------
- * Row r's token is the first i with p[0] + .. + p[i] > u[r] * (p[0] + .. + p[w - 1]), w the row's
- * width (widths[r], or n): a draw from p / sum(p) for u uniform in [0, 1), one random number a
+ * Row r's token is the first i with p[0] + .. + p[i] > u[r] * (p[0] + .. + p[n - 1]): a draw from p / sum(p) for u uniform in [0, 1), one random number a
  * row where an exponential race takes one per token. Sums in double: the row's blocks of
  * SAMPLE_BLOCK values (8 lanes, then the lanes in a fixed order), their running totals, the
  * first block whose running total passes the target, then that block value by value. A
@@ -116,15 +115,14 @@ INLINE double sample_block_sum(const float *p, int64_t len) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const int64_t *widths, const double *u,
-                          int64_t *out, int nthreads) {
+void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const double *u, int64_t *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(rows * n >= 65536 ? nthreads : 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *p = probs + r * n;
-        const int64_t w = widths ? widths[r] : n, nblk = (w + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+        const int64_t nblk = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
         double *cum = malloc((size_t)(nblk > 0 ? nblk : 1) * sizeof(double)), total = 0.0;
         for (int64_t b = 0; b < nblk; b++) {
-            int64_t len = w - b * SAMPLE_BLOCK < SAMPLE_BLOCK ? w - b * SAMPLE_BLOCK : SAMPLE_BLOCK;
+            int64_t len = n - b * SAMPLE_BLOCK < SAMPLE_BLOCK ? n - b * SAMPLE_BLOCK : SAMPLE_BLOCK;
             cum[b] = total += sample_block_sum(p + b * SAMPLE_BLOCK, len);
         }
         int64_t choice = -1;
@@ -132,7 +130,7 @@ void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const int
             const double target = u[r] * total;
             int64_t b = 0;
             while (cum[b] <= target && b < nblk - 1) b++;
-            const int64_t start = b * SAMPLE_BLOCK, end = start + SAMPLE_BLOCK < w ? start + SAMPLE_BLOCK : w;
+            const int64_t start = b * SAMPLE_BLOCK, end = start + SAMPLE_BLOCK < n ? start + SAMPLE_BLOCK : n;
             double run = b > 0 ? cum[b - 1] : 0.0;
             for (int64_t i = start; i < end; i++) {
                 if (!(p[i] > 0.0f)) continue;

@@ -569,16 +569,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_from_probs(probs: torch.Tensor, u: torch.Tensor, widths: torch.Tensor | None = None) -> torch.Tensor:
-    """Row r's draw from probs[r, :widths[r]] (unnormalised, >= 0) for u[r] uniform in [0, 1): the
-    first index whose running sum passes u[r] times the row's sum, summed in double ([rows]
-    int64; -1 where the row's sum is not a positive finite number)."""
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row r's draw from probs[r] (unnormalised, >= 0) for u[r] uniform in [0, 1): the first index
+    whose running sum passes u[r] times the row's sum, summed in double ([rows] int64; -1 where
+    the row's sum is not a positive finite number)."""
     probs, u = probs.float().contiguous(), u.double().contiguous()
     rows, n = probs.shape
     out = torch.empty(rows, dtype=torch.int64)
-    w = widths.to(torch.int64).contiguous() if widths is not None else None
-    kernels().pl_sample_from_probs(probs.data_ptr(), rows, n, _ptr(w), u.data_ptr(), out.data_ptr(),
-                                   torch.get_num_threads())
+    kernels().pl_sample_from_probs(probs.data_ptr(), rows, n, u.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
