@@ -61,6 +61,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": freed memory goes back to the OS at once (glibc's default); otherwise the workers'
     # malloc keeps it for the next step's temporaries.
     "PAGEDLLM_KEEP_FREED_MEMORY": _on_unless_zero("PAGEDLLM_KEEP_FREED_MEMORY"),
+    # "0": a GGUF's tensors are read through whatever pages its page cache holds; otherwise the
+    # mapping is advised for 2 MiB pages, and a file cached in 4 KiB pages is read in again
+    # (transformers_utils/page_cache.py).
+    "PAGEDLLM_HUGE_PAGE_WEIGHTS": _on_unless_zero("PAGEDLLM_HUGE_PAGE_WEIGHTS"),
     # "0": pagedllm leaves its logger unconfigured (an application sets the handlers).
     "PAGEDLLM_CONFIGURE_LOGGING": _on_unless_zero("PAGEDLLM_CONFIGURE_LOGGING"),
     # The `pagedllm` logger's level (DEBUG, INFO, WARNING, ...); default INFO.

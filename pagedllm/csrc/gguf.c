@@ -350,8 +350,11 @@ INLINE void gg_k_group(const int type, const int M, const uint8_t *grp, int64_t 
  * lane u % 8 of acc takes float(sum) * (weight scale * activation scale) (and the min's term);
  * out = the lanes added in gg_hsum's order. gg_panel (many rows at once) takes the same
  * operations per (row, output), so a row's result does not depend on the batch it is in. */
-INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act *a, int64_t r0, int64_t nblk,
+INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act *act, int64_t r0, int64_t nblk,
                    float *out) {
+    /* a local copy: the vector stores below may alias anything, and would make every field of
+     * *act a reload (and its addresses recomputed) for every super-block */
+    const gg_act local = *act, *a = &local;
     const int64_t gbytes = GG_GROUP_BYTES(type);
     __m256 acc[GG_TILE];
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.transformers_utils.page_cache import read_in_huge_pages
+
 _lock = threading.Lock()
 _shared: dict[str, list[Any]] = {}  # real path -> readers, innermost `shared_gguf_reader` last
 _stock: Any = None  # gguf.GGUFReader while the dispatcher stands in for it
@@ -210,4 +212,5 @@ def read_tensor_table(path: str) -> list[GGUFTensorInfo]:
             nbytes = count // block * size
             data = mm[start + offset : start + offset + nbytes].reshape(gguf.quant_shape_to_byte_shape(np_dims, qtype))
         out.append(GGUFTensorInfo(name, qtype, dims, data))
+    read_in_huge_pages(mm, path, start)
     return out

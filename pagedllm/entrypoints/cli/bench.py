@@ -11,7 +11,7 @@ import json
 import os
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -168,42 +168,38 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prompts = _random_prompts(config, tokenizer, args.num_prompts, args.input_len)
 
-    preemptions = None  # the engine's count; transformers has no KV cache to outgrow
     if args.backend == "transformers" and image_prompts:
-        startup, elapsed, num_output, num_prompt_tokens = run_hf_mm(args, config, prompts)
+        run = BatchRun(*run_hf_mm(args, config, prompts))
     elif args.backend == "transformers":
-        startup, elapsed, num_output = _run_hf(args, config, tokenizer, prompts)
-        num_prompt_tokens = sum(len(p) for p in prompts)
+        run = _run_hf(args, config, tokenizer, prompts)
     else:
         del tokenizer  # the engine loads its own; a second 262k-vocab tokenizer would count in its RSS
-        # (prompt tokens as the engine counts them: an image's placeholders included)
-        startup, elapsed, num_output, num_prompt_tokens, preemptions = _run_pagedllm(args, engine_args, prompts)
-
-    elapsed = max(elapsed, 1e-9)
+        run = _run_pagedllm(args, engine_args, prompts)
+    elapsed = max(run.elapsed, 1e-9)
     metrics = {
         "backend": args.backend,
         "num_requests": len(prompts),
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_output_tokens": num_output,
-        "startup_time_s": startup,
+        "num_prompt_tokens": run.prompt_tokens,
+        "num_output_tokens": run.output_tokens,
+        "startup_time_s": run.startup,
         "elapsed_time_s": elapsed,
         "requests_per_second": len(prompts) / elapsed,
-        "output_tokens_per_second": num_output / elapsed,
-        "total_tokens_per_second": (num_prompt_tokens + num_output) / elapsed,
+        "output_tokens_per_second": run.output_tokens / elapsed,
+        "total_tokens_per_second": (run.prompt_tokens + run.output_tokens) / elapsed,
     }
     lines = []
-    if preemptions is not None:
-        metrics["num_preemptions"] = preemptions
-        if preemptions:  # a batch that outgrew the KV cache: requests recomputed, the figure is not the kernels'
-            lines.append(f"Preemptions: {preemptions} (the KV cache held fewer tokens than the batch grew to; "
+    if run.preemptions is not None:
+        metrics["num_preemptions"] = run.preemptions
+        if run.preemptions:  # a batch that outgrew the KV cache: requests recomputed, the figure is not the kernels'
+            lines.append(f"Preemptions: {run.preemptions} (the KV cache held fewer tokens than the batch grew to; "
                          "--kv-cache-memory raises it)")
     for name in ("greedy", "unconstrained", "no_lora"):
         if hasattr(args, f"{name}_output_tokens_per_second"):
             metrics[f"{name}_output_tokens_per_second"] = getattr(args, f"{name}_output_tokens_per_second")
     return _report(metrics, [
         f"Backend: {args.backend}",
-        f"Engine startup time: {startup:.2f} s",
-        f"Processed {len(prompts)} requests, {num_prompt_tokens} prompt + {num_output} output tokens "
+        f"Engine startup time: {run.startup:.2f} s",
+        f"Processed {len(prompts)} requests, {run.prompt_tokens} prompt + {run.output_tokens} output tokens "
         f"in {elapsed:.2f} s",
         f"Throughput: {metrics['requests_per_second']:.2f} requests/s, "
         f"{metrics['output_tokens_per_second']:.2f} output tokens/s, "
@@ -212,10 +208,18 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     ], args.output_json)
 
 
-def _run_pagedllm(
-    args: argparse.Namespace, engine_args: EngineArgs, prompts: list[list[int]]
-) -> tuple[float, float, int, int, int]:
-    """(start-up s, elapsed s, output tokens, prompt tokens, preemptions) of the timed batch."""
+@dataclass(slots=True)
+class BatchRun:
+    """One timed batch: seconds to load, seconds to generate, and the tokens it covered."""
+
+    startup: float
+    elapsed: float
+    output_tokens: int
+    prompt_tokens: int  # as the engine counts them: an image's placeholders included
+    preemptions: int | None = None  # the engine's count; transformers has no KV cache to outgrow
+
+
+def _run_pagedllm(args: argparse.Namespace, engine_args: EngineArgs, prompts: list[list[int]]) -> BatchRun:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
@@ -251,14 +255,14 @@ def _run_pagedllm(
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
     elapsed = time.perf_counter() - start
-    return (startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs),
-            sum(len(o.prompt_token_ids) for o in outputs),
-            int(llm.get_metrics()["pagedllm:num_preemptions"] - preempted))
+    return BatchRun(startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outputs),
+                    sum(len(o.prompt_token_ids) for o in outputs),
+                    int(llm.get_metrics()["pagedllm:num_preemptions"] - preempted))
 
 
 def _run_hf(
     args: argparse.Namespace, config: EngineConfig, tokenizer: Any, prompts: list[list[int]]
-) -> tuple[float, float, int]:
+) -> BatchRun:
     """The same workload through transformers' generate: left-padded batches, EOS ignored
     via min_new_tokens, so the token counts match pagedllm's."""
     import torch
@@ -290,7 +294,7 @@ def _run_hf(
         num_output += (out.shape[1] - width) * out.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return startup, time.perf_counter() - start, num_output
+    return BatchRun(startup, time.perf_counter() - start, num_output, sum(len(p) for p in prompts))
 
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:

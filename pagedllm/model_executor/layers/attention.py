@@ -168,10 +168,9 @@ class Attention(nn.Module):
     def _blocks(self, i: int, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks `table` of the keys (i = 0) or values (1) as values in `dtype`:
         [len(table), block_size, num_kv_heads, head_dim]."""
-        blocks = self.kv_cache[i].index_select(0, table)
         if self.kv_quant is None:
-            return blocks
-        return kv_quant.dequantize(blocks, self.kv_scales[i].index_select(0, table), self.kv_quant, dtype)
+            return self.kv_cache[i].index_select(0, table)
+        return kv_quant.gather(self.kv_cache[i], self.kv_scales[i], table, self.kv_quant, dtype)
 
     def _kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The C kernel's view of a quantized cache: the scales and the KV kind."""

@@ -86,6 +86,12 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, quant: KVQuant, dtype: 
     return (values * scales[..., None]).flatten(-2).to(dtype)
 
 
+def gather(data: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, quant: KVQuant,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Entries `index` (along dim 0: blocks or slots) of stored bytes and their scales, as values."""
+    return dequantize(data.index_select(0, index), scales.index_select(0, index), quant, dtype)
+
+
 def _write_native(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
                   kv_scales: torch.Tensor, quant: KVQuant) -> None:
     hk, d = kv_cache.shape[-2:]
@@ -111,5 +117,5 @@ def read_slots(kv_cache: torch.Tensor, kv_scales: torch.Tensor, slots: torch.Ten
     """The K and V the cache holds for `slots`, as values: what every later read of them sees."""
     hk, d = kv_cache.shape[-2:]
     groups = kv_scales.shape[-1]
-    return tuple(dequantize(kv_cache[i].view(-1, hk, d).index_select(0, slots),
-                            kv_scales[i].view(-1, hk, groups).index_select(0, slots), quant, dtype) for i in (0, 1))
+    return tuple(gather(kv_cache[i].view(-1, hk, d), kv_scales[i].view(-1, hk, groups), slots, quant, dtype)
+                 for i in (0, 1))

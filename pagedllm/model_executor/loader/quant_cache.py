@@ -30,6 +30,7 @@ from pagedllm.cache_files import mark_used, prune_stale, write_atomically
 from pagedllm.envs import cache_root
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers import quantization as qz
+from pagedllm.transformers_utils.page_cache import in_huge_pages
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -89,4 +90,5 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
 
     mark_used(path)
     with safe_open(str(path), framework="pt") as f:  # one open, one header parse
-        return {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["modules"])
+        return ({name: in_huge_pages(f.get_tensor(name)) for name in f.keys()},
+                json.loads(f.metadata()["modules"]))
