@@ -303,21 +303,19 @@ INLINE void gg_legacy_group(const int type, const int M, const uint8_t *grp, int
 /* A K super-block of a weight row against M activation rows: the integer sum of its sub-blocks,
  * each sub-block's scale as vpmaddwd's operand, into I[r] (Q6_K's offset, 32 * its scales times
  * the activations' 16-value sums, taken off), and for Q4_K / Q5_K the mins times the activations'
- * 32-value sums into Imin[r]; *d and *dmin the super-block's scales (dmin negated). Lanes: not yet
- * summed (gg_reduce8 sums them, 8 super-blocks at once). */
+ * 32-value sums into Imin[r] (its f16 scales: gg_k_scales8). Lanes: not yet summed (gg_reduce8
+ * sums them, 8 super-blocks at once). */
 INLINE void gg_k_group(const int type, const int M, const uint8_t *grp, int64_t gbytes, const gg_act *a, int64_t r0,
-                       int64_t g, __m256i *I, __m256i *Imin, float *d, float *dmin) {
+                       int64_t g, __m256i *I, __m256i *Imin) {
     for (int64_t off = 0; off < gbytes; off += 64)
         _mm_prefetch((const char *)grp + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
     __m128i sc6 = _mm_setzero_si128(), scmn = _mm_setzero_si128();
     __m256i sc16 = _mm256_setzero_si256(); /* Q4_K / Q5_K sub-block scales as int16, in both halves */
     if (type == GG_Q6_K) {
         sc6 = _mm_loadu_si128((const __m128i *)(grp + 192));
-        *d = gg_half(grp + 208);
     } else {
         scmn = gg_k_scales_vec(grp + 4);
         sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
-        *d = gg_half(grp), *dmin = -gg_half(grp + 2);
     }
     for (int r = 0; r < M; r++) I[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -345,6 +343,38 @@ INLINE void gg_k_group(const int type, const int M, const uint8_t *grp, int64_t 
     }
 }
 
+/* The f16 scales of cnt (<= 8) consecutive K super-blocks from base: *D their d, *Dmin their
+ * dmin negated (Q4_K / Q5_K), as gg_k_group reads them; lanes from cnt on are 0. */
+INLINE void gg_k_scales8(const int type, const uint8_t *base, int64_t gbytes, int cnt, __m256 *D, __m256 *Dmin) {
+    uint32_t u[8]; /* Q6_K: bytes 206-209 (d in the upper half, inside the block); else d | dmin << 16 */
+    for (int i = 0; i < 8; i++) u[i] = i < cnt ? gg_u32(base + i * gbytes + (type == GG_Q6_K ? 206 : 0)) : 0;
+    __m256i v = _mm256_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3], (int)u[4], (int)u[5], (int)u[6],
+                                  (int)u[7]);
+    const __m256i low16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9,
+                                           12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i high16 = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7,
+                                            10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i lo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, low16), 0x08);
+    __m256i hi = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, high16), 0x08);
+    if (type == GG_Q6_K) {
+        *D = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+        *Dmin = _mm256_setzero_ps();
+    } else {
+        /* dmin negated as C's unary minus does (the sign bit flipped), in the lanes of blocks */
+        __m256i sign = _mm256_and_si256(_mm256_set1_epi32((int)0x80000000u),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        *D = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
+        *Dmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(hi)), _mm256_castsi256_ps(sign));
+    }
+}
+
+/* x[0], x[stride], ... for the first cnt lanes, 0 in the rest */
+INLINE __m256 gg_strided8(const float *x, int64_t stride, int cnt) {
+    float v[8];
+    for (int i = 0; i < 8; i++) v[i] = i < cnt ? x[i * stride] : 0.0f;
+    return _mm256_setr_ps(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+}
+
 /* out[r] = activation row r0 + r . W row, for r < M. The float arithmetic is a fixed function of
  * the row's integer sums: per unit u (a legacy block, or a K super-block) an exact int32 sum, and
  * lane u % 8 of acc takes float(sum) * (weight scale * activation scale) (and the min's term);
@@ -366,24 +396,25 @@ INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act
         const int64_t groups = nblk / 8;
         for (int64_t g0 = 0; g0 < groups; g0 += 8) {
             __m256i I[GG_TILE][8], Imin[GG_TILE][8];
-            float d[8], dmin[8], xd[GG_TILE][8];
             int cnt = groups - g0 < 8 ? (int)(groups - g0) : 8;
             for (int j = 0; j < 8; j++) {
                 if (j >= cnt) { /* past the row: zeros, which add nothing */
-                    d[j] = dmin[j] = 0.0f;
-                    for (int r = 0; r < M; r++) I[r][j] = Imin[r][j] = _mm256_setzero_si256(), xd[r][j] = 0.0f;
+                    for (int r = 0; r < M; r++) I[r][j] = Imin[r][j] = _mm256_setzero_si256();
                     continue;
                 }
                 __m256i Ij[GG_TILE], Imj[GG_TILE];
-                gg_k_group(type, M, row + (g0 + j) * gbytes, gbytes, a, r0, g0 + j, Ij, Imj, &d[j], &dmin[j]);
-                for (int r = 0; r < M; r++) {
+                gg_k_group(type, M, row + (g0 + j) * gbytes, gbytes, a, r0, g0 + j, Ij, Imj);
+                for (int r = 0; r < M; r++)
                     I[r][j] = Ij[r], Imin[r][j] = type == GG_Q6_K ? _mm256_setzero_si256() : Imj[r];
-                    xd[r][j] = a->d[(r0 + r) * a->nb8 + 8 * (g0 + j)];
-                }
             }
-            __m256 D = _mm256_loadu_ps(d), Dmin = _mm256_loadu_ps(dmin);
+            /* the scales as vectors straight from the blocks and the activation scales (eight
+             * scalar stores read back as one vector would wait on the stores) */
+            __m256 D, Dmin;
+            gg_k_scales8(type, row + g0 * gbytes, gbytes, cnt, &D, &Dmin);
             for (int r = 0; r < M; r++) {
-                __m256 xdv = _mm256_loadu_ps(xd[r]);
+                const float *xd = a->d + (r0 + r) * a->nb8 + 8 * g0;
+                __m256 xdv = cnt == 8 ? _mm256_setr_ps(xd[0], xd[8], xd[16], xd[24], xd[32], xd[40], xd[48], xd[56])
+                                      : gg_strided8(xd, 8, cnt);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(I[r])), _mm256_mul_ps(D, xdv), acc[r]);
                 if (type != GG_Q6_K)
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(Imin[r])), _mm256_mul_ps(Dmin, xdv), acc[r]);
