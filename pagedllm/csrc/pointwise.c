@@ -79,16 +79,17 @@ void pl_qk_norm_rope(const void *qkv, int bf16, int64_t T, int64_t row_stride, i
 }
 
 /* ---------- gated activations: out = act(gate) * up over rows of [gate | up] ----------
- * act 0: SiLU, x / (1 + e^-x); act 1: GELU, tanh approximation, as g * sigmoid(2t) with
+ * ACT_SILU: x / (1 + e^-x); ACT_GELU_TANH: GELU, tanh approximation, as g * sigmoid(2t) with
  * t = k (g + 0.044715 g^3). Float32 inside, one rounding at the end (torch rounds act(gate)
- * before the multiply in bf16). */
+ * before the multiply in bf16). cpu_kernels.ACTIVATIONS reads the ids from this enum. */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 void pl_act_and_mul(const void *x, int bf16, int64_t rows, int64_t d, int act, void *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(rows * d >= 65536 ? nthreads : 1)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c = 0; c < d; c += VL) {
             vf g = vload(x, bf16, r * 2 * d + c, d - c), u = vload(x, bf16, r * 2 * d + d + c, d - c), s;
-            if (act == 0) {
+            if (act == ACT_SILU) {
                 s = vsigmoid(g);
             } else {
                 vf t = vmul(vset1(0.7978845608028654f), vfmadd(vmul(vset1(0.044715f), g), vmul(g, g), g));

@@ -420,8 +420,18 @@ def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Te
     return packed, torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], dim=-1).contiguous()
 
 
+def c_enum(source: str, prefix: str) -> dict[str, int]:
+    """The `PREFIX... = N` members of the enums of a csrc file, read from the C itself so that
+    Python and the kernels name each value once."""
+    text = re.sub(r"/\*.*?\*/", " ", (_SOURCE_DIR / source).read_text(), flags=re.S)
+    return {name: int(value) for body in re.findall(r"\benum\s*\{([^}]*)\}", text)
+            for name, value in re.findall(rf"\b({prefix}\w*)\s*=\s*(\d+)", body)}
+
+
 # The KV cache's element kinds (csrc/vec.h): the activations' float type, or bytes with scales
-KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = range(5)
+_KV = c_enum("vec.h", "KV_")
+KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = (
+    _KV["KV_F32"], _KV["KV_BF16"], _KV["KV_INT8"], _KV["KV_FP8_E4M3"], _KV["KV_FP8_E5M2"])
 
 
 def paged_decode_attention(
@@ -541,7 +551,8 @@ def rescore_logits(logits: torch.Tensor, idx: torch.Tensor, hidden: torch.Tensor
     )
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_ACT = c_enum("pointwise.c", "ACT_")
+ACTIVATIONS = {"silu": _ACT["ACT_SILU"], "gelu_tanh": _ACT["ACT_GELU_TANH"]}
 
 
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
