@@ -12,8 +12,9 @@ filesystem has large folios; pages that a writer (llama-quantize) or an earlier 
 So the loader advises the mapping and reads a sample of it. Where the sample comes back in
 4 KiB pages, the file's clean cached pages are dropped (`POSIX_FADV_DONTNEED`: pages another
 process maps stay) and read in again, once: where that gives 2 MiB pages too, later starts find
-them cached so; where it does not (a filesystem without large folios, tmpfs), a marker in the
-cache records the device for this boot and later starts leave its files alone.
+them cached so; where it does not (a filesystem without large folios, tmpfs, or another process
+holding the pages mapped), a marker in the cache records the device for this boot and later
+starts leave its files alone.
 `PAGEDLLM_HUGE_PAGE_WEIGHTS=0` turns all of it off.
 """
 
