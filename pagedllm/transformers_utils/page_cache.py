@@ -13,8 +13,8 @@ So the loader advises the mapping and reads a sample of it. Where the sample com
 4 KiB pages, the file's clean cached pages are dropped (`POSIX_FADV_DONTNEED`: pages another
 process maps stay) and read in again, once: where that gives 2 MiB pages too, later starts find
 them cached so; where it does not (a filesystem without large folios, tmpfs, or another process
-holding the pages mapped), a marker in the cache records the device for this boot and later
-starts leave its files alone.
+holding the pages mapped: a running llama-server on the same file), a marker in the cache
+records the file for this boot and later starts leave it as it is.
 `PAGEDLLM_HUGE_PAGE_WEIGHTS=0` turns all of it off.
 """
 
@@ -56,10 +56,9 @@ def read_in_huge_pages(mm: np.memmap, path: str, data_start: int) -> None:
         share = _huge_share(mapping, mm, start, length)
         if share is None or share >= _HUGE_SHARE:
             return
-        st = os.stat(path)
-        marker = _marker(st.st_dev)
+        marker = _marker(os.stat(path))
         if _boot_id() and marker.is_file() and marker.read_text() == _boot_id():
-            return  # dropping them did not give 2 MiB pages on this device since the machine started
+            return  # dropping its pages did not give 2 MiB ones since the machine started
         began = time.perf_counter()
         mapping.madvise(mmap.MADV_DONTNEED)  # this mapping's own references, or the drop skips them
         fd = os.open(path, os.O_RDONLY)
@@ -125,8 +124,9 @@ def _boot_id() -> str:
     return ""
 
 
-def _marker(device: int) -> Path:
-    return envs.PAGEDLLM_CACHE_DIR / "page_cache" / f"no-huge-folios-{device:x}"
+def _marker(st: os.stat_result) -> Path:
+    """One file per weight file (device, inode), holding the boot id of the failed attempt."""
+    return envs.PAGEDLLM_CACHE_DIR / "page_cache" / f"no-huge-folios-{st.st_dev:x}-{st.st_ino:x}"
 
 
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:

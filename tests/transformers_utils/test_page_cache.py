@@ -1,5 +1,5 @@
 """Weights read through 2 MiB pages: a weight file's mapping is advised for them, a file whose
-page cache holds 4 KiB pages is dropped and read in again once per boot and device, and copies
+page cache holds 4 KiB pages is dropped and read in again once per boot, and copies
 made for the head land in huge-page memory with the same values."""
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def test_a_file_in_small_pages_is_dropped_once_per_boot(weight_file, monkeypatch
     dropped = _record_drops(monkeypatch)
     page_cache.read_in_huge_pages(np.memmap(weight_file, dtype=np.uint8, mode="r"), weight_file, 4096)
     assert len(dropped) == 1
-    marker = page_cache._marker(os.stat(weight_file).st_dev)
+    marker = page_cache._marker(os.stat(weight_file))
     assert marker.read_text() == page_cache._boot_id() != ""
-    # the next start on this device in this boot leaves the file as its page cache holds it
+    # the next start in this boot leaves the file as its page cache holds it
     page_cache.read_in_huge_pages(np.memmap(weight_file, dtype=np.uint8, mode="r"), weight_file, 4096)
     assert len(dropped) == 1
 
@@ -60,7 +60,7 @@ def test_a_drop_that_gives_huge_pages_leaves_no_marker(weight_file, monkeypatch)
     dropped = _record_drops(monkeypatch)
     page_cache.read_in_huge_pages(np.memmap(weight_file, dtype=np.uint8, mode="r"), weight_file, 4096)
     assert len(dropped) == 1
-    assert not page_cache._marker(os.stat(weight_file).st_dev).exists()
+    assert not page_cache._marker(os.stat(weight_file)).exists()
 
 
 @pytest.mark.parametrize("share", [1.0, None])
