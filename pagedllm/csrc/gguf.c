@@ -413,8 +413,7 @@ INLINE void gg_row(const int type, const int M, const uint8_t *row, const gg_act
             gg_k_scales8(type, row + g0 * gbytes, gbytes, cnt, &D, &Dmin);
             for (int r = 0; r < M; r++) {
                 const float *xd = a->d + (r0 + r) * a->nb8 + 8 * g0;
-                __m256 xdv = cnt == 8 ? _mm256_setr_ps(xd[0], xd[8], xd[16], xd[24], xd[32], xd[40], xd[48], xd[56])
-                                      : gg_strided8(xd, 8, cnt);
+                __m256 xdv = gg_strided8(xd, 8, cnt);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(I[r])), _mm256_mul_ps(D, xdv), acc[r]);
                 if (type != GG_Q6_K)
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gg_reduce8(Imin[r])), _mm256_mul_ps(Dmin, xdv), acc[r]);

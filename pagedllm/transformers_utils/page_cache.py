@@ -47,13 +47,12 @@ def read_in_huge_pages(mm: np.memmap, path: str, data_start: int) -> None:
     pages and, where its tensor data (from `data_start`) is cached in 4 KiB pages, read it in
     again in 2 MiB ones."""
     mapping = getattr(mm, "_mmap", None)
-    if (not envs.PAGEDLLM_HUGE_PAGE_WEIGHTS or sys.platform != "linux" or mapping is None
-            or not hasattr(mmap, "MADV_HUGEPAGE") or mm.nbytes < _MIN_FILE_BYTES):
+    if not _huge_pages_on() or mapping is None or mm.nbytes < _MIN_FILE_BYTES:
         return
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
         start, length = _sample(mm.nbytes, data_start)
-        share = _huge_share(mapping, mm, start, length)
+        share = _huge_share(mm, start, length)
         if share is None or share >= _HUGE_SHARE:
             return
         marker = _marker(os.stat(path))
@@ -66,7 +65,7 @@ def read_in_huge_pages(mm: np.memmap, path: str, data_start: int) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        again = _huge_share(mapping, mm, start, length)
+        again = _huge_share(mm, start, length)
         if again is not None and again >= _HUGE_SHARE:
             logger.info("%s: its page cache held 4 KiB pages; dropped, it is read in 2 MiB pages (%.1f s)",
                         os.path.basename(path), time.perf_counter() - began)
@@ -89,12 +88,12 @@ def _sample(nbytes: int, data_start: int) -> tuple[int, int]:
     return start, max(0, (nbytes - start) // huge * huge)
 
 
-def _huge_share(mapping: mmap.mmap, mm: np.memmap, start: int, length: int) -> float | None:
+def _huge_share(mm: np.memmap, start: int, length: int) -> float | None:
     """Read [start, start + length) of the mapping in and say which share of what the whole
     mapping has resident is mapped in 2 MiB pages (None: nothing resident)."""
     if length <= 0:
         return None
-    mapping.madvise(MADV_POPULATE_READ, start, length)
+    mm._mmap.madvise(MADV_POPULATE_READ, start, length)
     rss, pmd = _mapping_usage(mm.ctypes.data)
     return pmd / rss if rss else None
 
@@ -129,19 +128,35 @@ def _marker(st: os.stat_result) -> Path:
     return envs.PAGEDLLM_CACHE_DIR / "page_cache" / f"no-huge-folios-{st.st_dev:x}-{st.st_ino:x}"
 
 
+def _huge_pages_on() -> bool:
+    return envs.PAGEDLLM_HUGE_PAGE_WEIGHTS and sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """A CPU tensor of zeros in a private anonymous mapping of its own, which the OS fills with
+    zero pages lazily (resident memory grows with use, not with the size) and frees with the
+    tensor. `huge_pages`: advised MADV_HUGEPAGE and starting on a 2 MiB boundary, for memory
+    read whole every step; otherwise advised MADV_NOHUGEPAGE, for memory written a little at a
+    time, where a huge page would be zeroed whole at its first write (with compaction on
+    demand), a stall of milliseconds in the middle of a step. Best effort where the kernel has
+    no huge pages."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    huge = 2 << 20
+    extra = huge if huge_pages else 0  # room to start on a 2 MiB boundary
+    mapping = mmap.mmap(-1, max(nbytes + extra, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # EINVAL from a kernel built without huge pages
+            mapping.madvise(advice)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % huge if huge_pages else 0
+    count = nbytes // dtype.itemsize
+    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(shape)
+
+
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values in memory of its own advised MADV_HUGEPAGE (a CPU tensor of 16 MiB or more
     on Linux; others come back as they are): a weight read every step streams at the higher
-    bandwidth above. The memory is zeroed lazily by the kernel and freed with the tensor."""
-    nbytes = t.numel() * t.element_size()
-    if (not envs.PAGEDLLM_HUGE_PAGE_WEIGHTS or sys.platform != "linux" or t.device.type != "cpu"
-            or nbytes < (16 << 20) or not hasattr(mmap, "MADV_HUGEPAGE")):
+    bandwidth above."""
+    if not _huge_pages_on() or t.device.type != "cpu" or t.numel() * t.element_size() < (16 << 20):
         return t
-    huge = 2 << 20
-    # one huge page more than the tensor needs, so that it can start on a 2 MiB boundary
-    mapping = mmap.mmap(-1, -(-nbytes // huge) * huge + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    out = torch.frombuffer(mapping, dtype=t.dtype, count=t.numel(), offset=-address % huge).view(t.shape)
-    return out.copy_(t)
+    return anonymous_zeros(tuple(t.shape), t.dtype, huge_pages=True).copy_(t)

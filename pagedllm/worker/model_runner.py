@@ -7,7 +7,6 @@ token, or with speculative decoding the accepted drafts plus one, and the next d
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import mmap
@@ -36,6 +35,7 @@ from pagedllm.spec_decode.eagle import EagleProposer
 from pagedllm.spec_decode.medusa import MedusaProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sampled, target_probs
+from pagedllm.transformers_utils.page_cache import anonymous_zeros
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.decode_plan import DecodePlanRunner
 from pagedllm.worker.encoder_runner import EncoderRunner
@@ -461,19 +461,12 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed KV memory. On CPU it is a private anonymous mapping advised against transparent
-    huge pages: the OS hands out zero pages lazily (resident memory grows with use, not with the
-    reservation), 4 KiB at a time, where a huge page is zeroed whole at its first write (with
-    compaction on demand), a stall of milliseconds in the middle of a decode step.
-    (Zeros, not garbage: masked-out slots still meet V in 0 * x, and NaN * 0 is NaN.)"""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if device.type != "cpu" or not nbytes or not hasattr(mmap, "MAP_PRIVATE"):
+    """Zeroed KV memory. On CPU an anonymous mapping on base pages (`anonymous_zeros`): zero
+    pages handed out lazily, 4 KiB at a time, as blocks are first written. (Zeros, not garbage:
+    masked-out slots still meet V in 0 * x, and NaN * 0 is NaN.)"""
+    if device.type != "cpu" or not int(np.prod(shape)) or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        with contextlib.suppress(OSError):  # EINVAL from a kernel built without huge pages
-            mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+    return anonymous_zeros(shape, dtype, huge_pages=False)
 
 
 def _grammar_rows(grammar_output: GrammarOutput, sample_reqs, num_rows: list[int]) -> tuple[torch.Tensor, list[int]]:

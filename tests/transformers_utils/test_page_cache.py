@@ -85,7 +85,7 @@ def test_the_sample_is_read_and_measured_from_smaps(weight_file):
     start, length = page_cache._sample(mm.nbytes, 4096)
     assert start % (2 << 20) == 0 and 0 < length <= page_cache._SAMPLE_BYTES and start + length <= mm.nbytes
     try:
-        share = page_cache._huge_share(mm._mmap, mm, start, length)
+        share = page_cache._huge_share(mm, start, length)
     except OSError:  # a kernel before 5.14 has no MADV_POPULATE_READ: the loader then leaves it as it is
         pytest.skip("no MADV_POPULATE_READ")
     assert share is not None and 0.0 <= share <= 1.0
@@ -119,3 +119,47 @@ def test_the_mapping_is_advised_for_huge_pages(weight_file, monkeypatch):
     monkeypatch.setattr(page_cache, "_huge_share", lambda *args: 1.0)
     page_cache.read_in_huge_pages(mm, weight_file, 4096)
     assert advised[:1] == [mmap.MADV_HUGEPAGE]
+
+
+def _vm_flags(address: int) -> list[str]:
+    """VmFlags of this process's mapping that holds `address` ("hg": advised MADV_HUGEPAGE)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_gguf_loader_advises_its_mapping(tmp_path, monkeypatch):
+    """read_tensor_table (what every start reads the weights through) maps the file for 2 MiB pages."""
+    import gguf
+
+    from pagedllm.transformers_utils.gguf_reader import read_tensor_table
+
+    monkeypatch.setattr(page_cache, "_MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", np.ones((2048, 1024), dtype=np.float32))  # 8 MiB
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (info,) = read_tensor_table(str(path))
+    assert "hg" in _vm_flags(info.data.ctypes.data)
+
+
+def test_the_quantized_weight_cache_loads_into_huge_pages(tmp_path):
+    from pagedllm.model_executor.loader import quant_cache
+
+    t = torch.arange(8 << 20, dtype=torch.int32).view(4, -1)  # 32 MiB
+    quant_cache.save(tmp_path / "q.safetensors", {"w": t, "small": torch.ones(4)}, {})
+    tensors, _ = quant_cache.load(tmp_path / "q.safetensors")
+    assert torch.equal(tensors["w"], t) and torch.equal(tensors["small"], torch.ones(4))
+    assert tensors["w"].data_ptr() % (2 << 20) == 0 and "hg" in _vm_flags(tensors["w"].data_ptr())
+
