@@ -502,12 +502,40 @@ static void gg_float_linear(int type, const uint8_t *w, int64_t row_bytes, int64
 
 /* ---------- the linear ---------- */
 
+/* Repacked rows j0 .. j1 (whole groups of 8) against activation rows r0 .. r0 + M into y: the
+ * x8 kernels where built, else each group read back in the file's layout and run a row at a time */
+static void gg_x8_group_rows(int type, int M, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t nblk,
+                             const gg_act *a, int64_t r0, const void *bias, void *y, int y_bf16, int64_t ldy,
+                             const gg_row_fn *fns) {
+    for (int64_t jg = j0; jg < j1; jg += 8) {
+        float out[8 * GG_TILE];
+#if GG_PANELS
+        (void)fns;
+        gg_x8_rows(type, M, w + jg * row_bytes, nblk / 8, a, r0, out);
+#else
+        const uint8_t *rows = gg_x8_file_rows(type, w + jg * row_bytes, row_bytes, nblk / 8);
+        for (int c = 0; c < 8; c++) {
+            float o[GG_TILE];
+            fns[M - 1](rows + c * row_bytes, a, r0, nblk, o);
+            for (int r = 0; r < M; r++) out[8 * r + c] = o[r];
+        }
+#endif
+        for (int c = 0; c < 8; c++) {
+            float b = bias ? load1(bias, y_bf16, jg + c) : 0.0f;
+            for (int r = 0; r < M; r++) store1(y, y_bf16, (r0 + r) * ldy + jg + c, out[8 * r + c] + b);
+        }
+    }
+}
+
 #define GG_WEIGHT_BLOCK 16                 /* weight rows a thread takes at a time */
 #define GG_ACT_BYTES ((int64_t)256 * 1024) /* activation rows per pass over W: about this much int8 (L2) */
 
 void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy, int nthreads) {
+    const int x8 = (type & GG_X8) != 0;
+    type &= ~GG_X8;
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
+    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K) || n % 8)) return;
     if (type == GG_F32 || type == GG_F16 || type == GG_BF16) {
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;
@@ -540,7 +568,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
             for (int64_t r = 0; r < m; r++) gg_quantize(x, x_bf16, r, k, &a);
         }
 #if GG_PANELS
-        if (panels) gg_panel_linear(type, w, row_bytes, n, nblk, &a, m, bias, y, y_bf16, ldy);
+        if (panels) gg_panel_linear(type, x8, w, row_bytes, n, nblk, &a, m, bias, y, y_bf16, ldy);
 #endif
         for (int64_t rb = 0; !panels && rb < m; rb += pass) {
             int64_t re = rb + pass < m ? rb + pass : m;
@@ -549,6 +577,10 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                 int64_t j0 = wb * GG_WEIGHT_BLOCK, j1 = j0 + GG_WEIGHT_BLOCK < n ? j0 + GG_WEIGHT_BLOCK : n;
                 for (int64_t r0 = rb; r0 < re; r0 += GG_TILE) {
                     int M = re - r0 < GG_TILE ? (int)(re - r0) : GG_TILE;
+                    if (x8) {
+                        gg_x8_group_rows(type, M, w, row_bytes, j0, j1, nblk, &a, r0, bias, y, y_bf16, ldy, fns);
+                        continue;
+                    }
                     for (int64_t j = j0; j < j1; j++) {
                         float out[GG_TILE];
                         fns[M - 1](w + j * row_bytes, &a, r0, nblk, out);

@@ -9,6 +9,7 @@
 enum {
     GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8,
     GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30,
+    GG_X8 = 256, /* a flag on Q4_K / Q6_K: the weight repacked 8 rows at a time (gguf_x8.c) */
 };
 
 /* values per block: 32 (legacy), 256 (K super-blocks), 1 (float types), 0 (not supported) */
@@ -88,6 +89,45 @@ typedef struct {
     ((type) == GG_Q4_0 ? 18 : (type) == GG_Q4_1 ? 20 : (type) == GG_Q5_0 ? 22 : (type) == GG_Q5_1 ? 24 : 34)
 #define GG_GROUP_BYTES(type) \
     ((type) == GG_Q4_K ? 144 : (type) == GG_Q5_K ? 176 : (type) == GG_Q6_K ? 210 : 8 * GG_BYTES32(type))
+
+/* ---------- the repacked layout (gguf_x8.c): where each byte of a row's block goes ---------- */
+/* A unit's bytes: 8 blocks, Q6_K's padded to whole cache lines (8 x 210 = 1680 would put most of
+ * its 32-byte loads across two lines) */
+enum { GG_X8_Q4_K_UNIT = 1152, GG_X8_Q6_K_UNIT = 1728 };
+#define GG_X8_UNIT(type) ((type) == GG_Q4_K ? GG_X8_Q4_K_UNIT : GG_X8_Q6_K_UNIT)
+/* One piece of a block: `len` bytes at `src` of row r's block, at `dst` of the unit */
+typedef struct {
+    int16_t src, dst, len;
+} gg_piece;
+
+/* The pieces of row r's block in a repacked unit (the layout: gguf_x8.c): up to 1 + 3 + 32 (Q4_K) or 1 + 16 + 32 + 16 (Q6_K) */
+INLINE int gg_x8_pieces(int type, int r, gg_piece *p) {
+    int n = 0;
+    if (type == GG_Q4_K) {
+        p[n++] = (gg_piece){0, (int16_t)(4 * r), 4};
+        for (int w = 0; w < 3; w++) p[n++] = (gg_piece){(int16_t)(4 + 4 * w), (int16_t)(32 + 32 * w + 4 * r), 4};
+        for (int c = 0; c < 32; c++) p[n++] = (gg_piece){(int16_t)(16 + 4 * c), (int16_t)(128 + 32 * c + 4 * r), 4};
+    } else {
+        p[n++] = (gg_piece){208, (int16_t)(2 * r), 2};
+        for (int i = 0; i < 16; i++) p[n++] = (gg_piece){(int16_t)(192 + i), (int16_t)(16 + 8 * i + r), 1};
+        for (int c = 0; c < 32; c++) /* ql quad c: half c / 16, chunk c / 8 % 2, quad c % 8 */
+            p[n++] = (gg_piece){(int16_t)(4 * c), (int16_t)(144 + 96 * (8 * (c / 16) + c % 8) + 32 + 32 * (c / 8 % 2) + 4 * r), 4};
+        for (int c = 0; c < 16; c++) /* qh quad c: half c / 8, quad c % 8 */
+            p[n++] = (gg_piece){(int16_t)(128 + 4 * c), (int16_t)(144 + 96 * c + 4 * r), 4};
+    }
+    return n;
+}
+
+/* Row c's scale bytes (Q4_K: block bytes 0-15; Q6_K: 192-209) from a repacked unit into blk, at
+ * their offsets in the file's block: gg_x8_pieces' first 4 (Q4_K) or 17 (Q6_K) pieces */
+INLINE void gg_x8_header(int type, const uint8_t *unit, int c, uint8_t *blk) {
+    if (type == GG_Q4_K) {
+        for (int w = 0; w < 4; w++) memcpy(blk + 4 * w, unit + (w ? 32 * w : 0) + 4 * c, 4);
+    } else {
+        for (int i = 0; i < 16; i++) blk[192 + i] = unit[16 + 8 * i + c];
+        memcpy(blk + 208, unit + 2 * c, 2);
+    }
+}
 
 #if defined(PL_AVX512) || defined(PL_AVX2)
 /* 32 u8 x s8 products in 8 int32 lanes (each the sum of 4 neighbours) */
@@ -190,16 +230,61 @@ INLINE __m256i gg_quants(const int type, const uint8_t *grp, int b) {
         }
     }
 }
+
+/* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
+INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* Step (sub-block b, quad j) of a repacked Q4_K / Q6_K unit: values 4j .. 4j + 3 of sub-block b
+ * of rows 0-7, 4 bytes a row (what gg_quants gives a row at a time) */
+INLINE __m256i gg_x8_step(const int type, const uint8_t *unit, int b, int j) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == GG_Q4_K) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 128 + 32 * (8 * (b / 2) + j)));
+        return _mm256_and_si256(b % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+    }
+    const int h = b / 4, t = b % 4;
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(unit + 144 + 96 * (8 * h + j)));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 144 + 96 * (8 * h + j) + 32 + 32 * (t % 2)));
+    v = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+    qh = t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t) : t == 3 ? _mm256_srli_epi16(qh, 2) : qh;
+    return _mm256_or_si256(v, _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+}
 #endif
 
 #if defined(PL_AVX512) || defined(PL_AVX2)
 #define GG_PANELS 1
 /* gguf_panel.c: outputs [0, n) for m >= GG_PANEL_ROWS activation rows (quantized in a), run by
- * every thread of pl_gguf_linear's parallel region (an orphaned omp for over panels of W's rows). */
-void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk, const gg_act *a,
-                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy);
+ * every thread of pl_gguf_linear's parallel region (an orphaned omp for over panels of W's rows);
+ * x8: W repacked (gguf_x8.c), each panel read back in the file's layout first. */
+void gg_panel_linear(int type, int x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk,
+                     const gg_act *a, int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy);
 #else
 #define GG_PANELS 0
+#endif
+
+/* gguf_x8.c: a group of 8 repacked rows (at grp, nsb super-blocks each) back in the file's
+ * layout, row r at the result + r * row_bytes (a thread's buffer, valid until its next call) */
+const uint8_t *gg_x8_file_rows(int type, const uint8_t *grp, int64_t row_bytes, int64_t nsb);
+#if GG_PANELS
+/* out[8 r + c] = activation row r0 + r . repacked row c of the group, r < M <= GG_TILE: the
+ * same bits as gg_row on the row in the file's layout */
+void gg_x8_rows(int type, int M, const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, float *out);
 #endif
 
 #endif /* PAGEDLLM_GGUF_BLOCKS_H */

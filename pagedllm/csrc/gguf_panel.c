@@ -27,22 +27,31 @@
 #define GG_NP 1
 #endif
 
-/* 8 vectors of 8 int32 transposed: dword s of vector c to dword c of out[s] */
-INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
-        out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+/* Row c's scales (its group at grp, nb blocks of it in the row) into a panel slot: Q6_K's 16 and
+ * Q4_K / Q5_K's 8 sub-block scales as int16 pairs by unit (sc), the mins or Q6_K's scales in
+ * pairs (pair), the f16 scales as floats (f) */
+static void gg_panel_scales(const int type, const uint8_t *grp, int c, int nb, uint8_t *slot) {
+    const int64_t bytes32 = GG_BYTES32(type);
+    int16_t *sc = (int16_t *)(slot + GG_SLOT_Q), *pair = (int16_t *)(slot + GG_SLOT_Q + GG_SLOT_SC);
+    float *f = (float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
+    if (type == GG_Q6_K) {
+        const int8_t *s = (const int8_t *)(grp + 192);
+        for (int u = 0; u < 16; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = s[u];
+        for (int i = 0; i < 8; i++) pair[16 * i + 2 * c] = s[2 * i], pair[16 * i + 2 * c + 1] = s[2 * i + 1];
+        f[c] = gg_half(grp + 208);
+    } else if (GG_KQUANT(type)) {
+        uint32_t v[4];
+        uint8_t scs[8], mns[8];
+        gg_k_scales(grp + 4, &v[0], &v[1], &v[2], &v[3]);
+        memcpy(scs, &v[0], 4), memcpy(scs + 4, &v[1], 4), memcpy(mns, &v[2], 4), memcpy(mns + 4, &v[3], 4);
+        for (int u = 0; u < 8; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = scs[u];
+        for (int i = 0; i < 4; i++) pair[16 * i + 2 * c] = mns[2 * i], pair[16 * i + 2 * c + 1] = mns[2 * i + 1];
+        f[c] = gg_half(grp), f[8 + c] = -gg_half(grp + 2);
+    } else {
+        for (int b = 0; b < nb; b++) {
+            f[8 * b + c] = gg_half(grp + b * bytes32);
+            if (GG_HAS_MIN(type)) f[64 + 8 * b + c] = gg_half(grp + b * bytes32 + 2);
+        }
     }
 }
 
@@ -51,7 +60,7 @@ INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
  * stream a row), then transposed into steps. */
 static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, int cols, int64_t nblk, int64_t kq,
                            uint8_t *panel, uint8_t *rowbuf) {
-    const int64_t bytes32 = GG_BYTES32(type), gbytes = GG_GROUP_BYTES(type);
+    const int64_t gbytes = GG_GROUP_BYTES(type);
     const int64_t groups = (nblk + 7) / 8;
     /* a full panel writes every byte its tile reads; a short one's missing lanes are zeros */
     if (cols < GG_NR) memset(panel, 0, (size_t)(groups * GG_SLOT));
@@ -65,31 +74,11 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *grp = row + g * gbytes;
             uint8_t *slot = panel + g * GG_SLOT;
-            int16_t *sc = (int16_t *)(slot + GG_SLOT_Q), *pair = (int16_t *)(slot + GG_SLOT_Q + GG_SLOT_SC);
-            float *f = (float *)(slot + GG_SLOT_Q + GG_SLOT_SC + GG_SLOT_PAIR);
             int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
             for (int b = 0; b < nb; b++)
                 _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), gg_quants(type, grp, b));
             for (int b = nb; b < 8; b++) _mm256_storeu_si256((__m256i *)(dst + 256 * g + 32 * b), _mm256_setzero_si256());
-            if (type == GG_Q6_K) {
-                const int8_t *s = (const int8_t *)(grp + 192);
-                for (int u = 0; u < 16; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = s[u];
-                for (int i = 0; i < 8; i++) pair[16 * i + 2 * c] = s[2 * i], pair[16 * i + 2 * c + 1] = s[2 * i + 1];
-                f[c] = gg_half(grp + 208);
-            } else if (GG_KQUANT(type)) {
-                uint32_t v[4];
-                uint8_t scs[8], mns[8];
-                gg_k_scales(grp + 4, &v[0], &v[1], &v[2], &v[3]);
-                memcpy(scs, &v[0], 4), memcpy(scs + 4, &v[1], 4), memcpy(mns, &v[2], 4), memcpy(mns + 4, &v[3], 4);
-                for (int u = 0; u < 8; u++) sc[16 * u + 2 * c] = sc[16 * u + 2 * c + 1] = scs[u];
-                for (int i = 0; i < 4; i++) pair[16 * i + 2 * c] = mns[2 * i], pair[16 * i + 2 * c + 1] = mns[2 * i + 1];
-                f[c] = gg_half(grp), f[8 + c] = -gg_half(grp + 2);
-            } else {
-                for (int b = 0; b < nb; b++) {
-                    f[8 * b + c] = gg_half(grp + b * bytes32);
-                    if (GG_HAS_MIN(type)) f[64 + 8 * b + c] = gg_half(grp + b * bytes32 + 2);
-                }
-            }
+            gg_panel_scales(type, grp, c, nb, slot);
         }
     }
     for (int64_t g = 0; g < groups; g++)
@@ -99,6 +88,23 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
             gg_transpose8(in, out);
             for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(panel + g * GG_SLOT + 256 * b + 32 * s), out[s]);
         }
+}
+
+/* A repacked group of 8 rows (gguf_x8.c) into the panel: its quants are already the panel's
+ * steps, 4 bits a value; the scales are read back a row at a time */
+static void gg_panel_build_x8(const int type, const uint8_t *grp8, int64_t nblk, uint8_t *panel) {
+    const int64_t ubytes = GG_X8_UNIT(type);
+    for (int64_t g = 0; g < nblk / 8; g++) {
+        const uint8_t *unit = grp8 + g * ubytes;
+        uint8_t *slot = panel + g * GG_SLOT, blk[210];
+        for (int b = 0; b < 8; b++)
+            for (int j = 0; j < 8; j++)
+                _mm256_store_si256((__m256i *)(slot + 256 * b + 32 * j), gg_x8_step(type, unit, b, j));
+        for (int c = 0; c < GG_NR; c++) {
+            gg_x8_header(type, unit, c, blk);
+            gg_panel_scales(type, blk, c, 8, slot);
+        }
+    }
 }
 
 /* Steps t0 .. t0 + n of a group's panel against M activation rows (xq[r]: the group's values),
@@ -346,8 +352,8 @@ static uint8_t *gg_panel_scratch(size_t bytes) {
 /* Threads take GG_NP panels of 8 weight rows at a time; each meets a pass's activation rows, 4
  * at a time. The tiles start at the same rows (multiples of 4) whatever the pass, so a row's
  * result is the same bits as without passes. */
-void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk, const gg_act *a,
-                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
+void gg_panel_linear(int type, int x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nblk,
+                     const gg_act *a, int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy) {
     const gg_kernels *kern = gg_kernels_of(type);
     const int64_t groups = (nblk + 7) / 8, pstride = groups * GG_SLOT, panels = (n + GG_NR - 1) / GG_NR;
     uint8_t *panel = gg_panel_scratch((size_t)(GG_NP * pstride + GG_NR * a->kq));
@@ -365,7 +371,10 @@ void gg_panel_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
             for (int p = 0; p < np; p++) {
                 int64_t jp = j0 + p * GG_NR;
                 int cols = n - jp < GG_NR ? (int)(n - jp) : GG_NR;
-                kern->build(w + jp * row_bytes, row_bytes, cols, nblk, a->kq, panel + p * pstride, rowbuf);
+                if (x8)
+                    gg_panel_build_x8(type, w + jp * row_bytes, nblk, panel + p * pstride);
+                else
+                    kern->build(w + jp * row_bytes, row_bytes, cols, nblk, a->kq, panel + p * pstride, rowbuf);
             }
             const int64_t cols = n - j0 < GG_NP * GG_NR ? n - j0 : GG_NP * GG_NR;
             for (int c = 0; bias && c < cols; c++) b[c] = load1(bias, y_bf16, j0 + c);

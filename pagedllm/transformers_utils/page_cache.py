@@ -160,3 +160,35 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if not _huge_pages_on() or t.device.type != "cpu" or t.numel() * t.element_size() < (16 << 20):
         return t
     return anonymous_zeros(tuple(t.shape), t.dtype, huge_pages=True).copy_(t)
+
+
+def drop_from_resident(t: torch.Tensor) -> int:
+    """Take the pages under `t`, a view of a read-only file mapping, out of this process's
+    resident memory (MADV_DONTNEED over the whole pages inside its bytes): a weight read once
+    into a copy of its own (a repacked GGUF tensor) then stops counting twice. Its bytes stay
+    readable, served again by the page cache or the file. Anything else (anonymous or writable
+    memory, where the advice would drop the data) is left alone. Returns the bytes advised."""
+    if sys.platform != "linux" or t.device.type != "cpu" or t.dim() != 2 or not t.numel():
+        return 0
+    page = mmap.PAGESIZE
+    first = t.data_ptr()
+    last = first + (t.shape[0] - 1) * t.stride(0) * t.element_size() + t.shape[1] * t.element_size()
+    start, end = -(-first // page) * page, last // page * page
+    if end <= start or not _read_only_file_mapping(first, last):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+def _read_only_file_mapping(first: int, last: int) -> bool:
+    """Whether [first, last) lies in one mapping of a file that this process cannot write."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= first < hi:
+                return last <= hi and "w" not in fields[1] and len(fields) >= 6 and fields[4] != "0"
+    return False

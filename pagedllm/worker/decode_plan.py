@@ -149,7 +149,7 @@ class DecodePlan:
                 scaled = seg.out_scale is not None
                 self.calls.append(gguf_ops.bind_gguf_linear(
                     x, seg.qtype, seg.weight, linear.in_features, None if scaled else seg_bias, out[:, cols],
-                    self.nthreads))
+                    self.nthreads, repacked=seg.repacked))
                 if scaled:
                     self.calls.append(partial(scale_rows, out[:, cols], seg.out_scale, seg_bias))
             return

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm import cpu_isa
 from pagedllm.model_executor.layers import cpu_kernels
 
 _T = gguf.GGMLQuantizationType
@@ -37,11 +38,19 @@ SCALE_FIELDS: dict[int, tuple[int, ...]] = {
 
 
 _FLOAT = (torch.float32, torch.bfloat16)  # the activation and output dtypes the kernels take
+# Weights repacked 8 rows side by side (csrc/gguf_x8.c), for decode's few rows: the flag on the
+# type id that tells the kernels a weight is, and per type the bytes of 256 values of a row so
+# (a unit, 8 rows' super-blocks, over 8).
+_X8_ENUM = cpu_kernels.c_enum("gguf_blocks.h", "GG_X8")
+_X8 = _X8_ENUM["GG_X8"]
+REPACKED_BYTES = {int(_T.Q4_K): _X8_ENUM["GG_X8_Q4_K_UNIT"] // 8, int(_T.Q6_K): _X8_ENUM["GG_X8_Q6_K_UNIT"] // 8}
+REPACK_TYPES = frozenset(REPACKED_BYTES)
 
 
-def _layout(qtype: int, weight: torch.Tensor, k: int) -> tuple[int, int]:
-    """(n, row stride in bytes) of a GGUF weight holding k values a row. The kernel reads the
-    rows through a raw pointer, so a shape that does not hold them fails here, not in C."""
+def _layout(qtype: int, weight: torch.Tensor, k: int, repacked: bool = False) -> tuple[int, int]:
+    """(n, row stride in bytes) of a GGUF weight holding k values a row (`repacked`: `repack`'s
+    output). The kernel reads the rows through a raw pointer, so a shape that does not hold them
+    fails here, not in C."""
     if qtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type {qtype} is not supported (supported: {sorted(GGUF_TYPES)})")
     block, size = GGUF_TYPES[qtype]
@@ -53,6 +62,9 @@ def _layout(qtype: int, weight: torch.Tensor, k: int) -> tuple[int, int]:
     if weight.shape[1] < k // block * size:
         raise ValueError(f"GGUF weight rows hold {weight.shape[1]} bytes; {k} values of type {qtype} take "
                          f"{k // block * size}")
+    if repacked and (qtype not in REPACK_TYPES or weight.shape[0] % 8 or not weight.is_contiguous()
+                     or weight.shape[1] != k // 256 * REPACKED_BYTES[qtype]):
+        raise ValueError(f"GGUF type {qtype}: {tuple(weight.shape)} is not a repacked weight of {k} values a row")
     return weight.shape[0], weight.stride(0)
 
 
@@ -72,12 +84,13 @@ def _on_kernels(*tensors: torch.Tensor | None) -> bool:
 
 
 def gguf_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor, k: int, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, repacked: bool = False) -> torch.Tensor:
     """x [.., k] (float32 or bf16) @ W^T (+ bias) for a GGUF weight W [n, row bytes]: [.., n] in
     x's dtype. `out`: a 2-D [rows, n] view to write instead (its own dtype, unit inner stride;
     it may be a column slice of a wider tensor, as a q/k/v segment of one projection's output),
-    which is returned. A row's result does not depend on the other rows in x."""
-    n, _ = _layout(qtype, weight, k)
+    which is returned. `repacked`: W is `repack`'s. A row's result does not depend on the other
+    rows in x, nor on whether W is repacked."""
+    n, _ = _layout(qtype, weight, k, repacked)
     if x.shape[-1] != k:
         raise ValueError(f"gguf_linear: x has {x.shape[-1]} features, the weight {k}")
     lead = x.shape[:-1]
@@ -85,6 +98,8 @@ def gguf_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor, k: int, bias:
     if out is not None and (out.dim() != 2 or tuple(out.shape) != (m, n) or (m > 0 and n > 1 and out.stride(1) != 1)):
         raise ValueError(f"gguf_linear: out must be [{m}, {n}] with unit inner stride, not {tuple(out.shape)}")
     if not (_on_kernels(x, weight, bias, out) and x.dtype in _FLOAT and (out is None or out.dtype in _FLOAT)):
+        if repacked:
+            raise ValueError("gguf_linear: a repacked weight runs on the CPU kernels, float32 or bf16 in and out")
         y = F.linear(x.reshape(m, k).float(), _dequantize_numpy(qtype, weight, k, None).to(x.device),
                      None if bias is None else bias.float())
         if out is not None:
@@ -93,29 +108,31 @@ def gguf_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor, k: int, bias:
     x2 = cpu_kernels._rows(x, k)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype)
     if m > 0:
-        _bind(x2, qtype, weight, k, cpu_kernels._as(bias, y.dtype), y, torch.get_num_threads(), True)
+        _bind(x2, qtype, weight, k, cpu_kernels._as(bias, y.dtype), y, torch.get_num_threads(), True, repacked)
     return y if out is not None or x.dim() == 2 else y.view(*lead, n)
 
 
 def bind_gguf_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor, k: int, bias: torch.Tensor | None,
-                     y: torch.Tensor, nthreads: int, now: bool = False) -> cpu_kernels.Call | None:
+                     y: torch.Tensor, nthreads: int, now: bool = False,
+                     repacked: bool = False) -> cpu_kernels.Call | None:
     """`gguf_linear` laid out once for a decode plan to replay: x [m, k] contiguous, y [m, n]
     with unit inner stride (its row stride passed: a column slice of a wider output works),
     bias [n] contiguous in y's dtype or None."""
-    n, _ = _layout(qtype, weight, k)
+    n, _ = _layout(qtype, weight, k, repacked)
     if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"bind_gguf_linear: x must be contiguous [m, {k}], not {tuple(x.shape)}")
     if y.dim() != 2 or tuple(y.shape) != (x.shape[0], n) or (n > 1 and y.stride(1) != 1):
         raise ValueError(f"bind_gguf_linear: y must be [{x.shape[0]}, {n}] with unit inner stride")
     if bias is not None and (bias.dtype != y.dtype or not bias.is_contiguous() or bias.numel() != n):
         raise ValueError(f"bind_gguf_linear: bias must be [{n}] contiguous in y's dtype")
-    return _bind(x, qtype, weight, k, bias, y, nthreads, now)
+    return _bind(x, qtype, weight, k, bias, y, nthreads, now, repacked)
 
 
 def _bind(x: torch.Tensor, qtype: int, weight: torch.Tensor, k: int, bias: torch.Tensor | None, y: torch.Tensor,
-          nthreads: int, now: bool) -> cpu_kernels.Call | None:
-    args = (qtype, weight.data_ptr(), weight.stride(0), weight.shape[0], k, x.data_ptr(), cpu_kernels._is_bf16(x),
-            x.shape[0], cpu_kernels._ptr(bias), y.data_ptr(), cpu_kernels._is_bf16(y), y.stride(0), nthreads)
+          nthreads: int, now: bool, repacked: bool = False) -> cpu_kernels.Call | None:
+    args = (qtype | (_X8 if repacked else 0), weight.data_ptr(), weight.stride(0), weight.shape[0], k, x.data_ptr(),
+            cpu_kernels._is_bf16(x), x.shape[0], cpu_kernels._ptr(bias), y.data_ptr(), cpu_kernels._is_bf16(y),
+            y.stride(0), nthreads)
     return cpu_kernels._bound(cpu_kernels.kernels().pl_gguf_linear, args, now, x, weight, bias, y)
 
 
@@ -137,4 +154,32 @@ def gguf_dequantize(qtype: int, weight: torch.Tensor, k: int, rows: torch.Tensor
         cpu_kernels.kernels().pl_gguf_dequantize(qtype, weight.data_ptr(), row_bytes, k, cpu_kernels._ptr(rows),
                                                  count, out.data_ptr(), int(dtype == torch.bfloat16), k,
                                                  torch.get_num_threads())
+    return out
+
+
+def can_repack(qtype: int, weight: torch.Tensor) -> bool:
+    """Whether `repack` takes this weight: a Q4_K / Q6_K tensor of whole groups of 8 rows, on the
+    CPU, with the kernels built."""
+    return qtype in REPACK_TYPES and weight.dim() == 2 and weight.shape[0] % 8 == 0 and _on_kernels(weight)
+
+
+def repack_pays() -> bool:
+    """Whether the kernels run repacked weights with SIMD (AVX2, AVX-512); the portable build
+    reads each group back in the file's layout first, which only costs."""
+    return cpu_kernels.kernels() is not None and cpu_isa.selected() in ("avx2", "avx512")
+
+
+def repack(qtype: int, weight: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W's rows repacked 8 at a time (csrc/gguf_x8.c), for `gguf_linear(..., repacked=True)`:
+    a contiguous uint8 tensor [n, k / 256 * REPACKED_BYTES[qtype]] (into `out` where given)."""
+    n, row_bytes = _layout(qtype, weight, k)
+    if not can_repack(qtype, weight):
+        raise ValueError(f"GGUF type {qtype}, {n} rows: not a weight the kernels repack")
+    shape = (n, k // 256 * REPACKED_BYTES[qtype])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"repack: out must be a contiguous uint8 {shape}")
+    cpu_kernels.kernels().pl_gguf_repack(qtype, weight.data_ptr(), row_bytes, n, k, out.data_ptr(),
+                                         torch.get_num_threads())
     return out

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.config import ModelConfig, check_quantization
 from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead
@@ -64,7 +65,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
         quantize_fp8_linears(model)
     if native or model_config.quantization == "fp8":
-        _finish_gguf(model, model_config)
+        _finish_gguf(model, model_config, device)
     elif model_config.quantization and not restored:
         from pagedllm.model_executor.loader.quantize import quantize_model
 
@@ -77,9 +78,12 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def _finish_gguf(model: nn.Module, model_config: ModelConfig) -> None:
-    """After loading the file's blocks: a tied LM head multiplies by the embedding's blocks, and
-    the float weights the layers were built with (never written, so never paged in) go."""
+def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:
+    """After loading the file's blocks: a tied LM head multiplies by the embedding's blocks, the
+    float weights the layers were built with (never written, so never paged in) go, and on the
+    CPU the linears' Q4_K / Q6_K blocks are repacked for decode (`GGUFLinear.repack`; not the
+    embedding and head, which are also read a row at a time)."""
+    repacked, start = 0, time.perf_counter()
     for name, module in model.named_modules():
         if isinstance(module, LMHead) and module.gguf is None and module.tied_to is not None:
             module.gguf = module.tied_to.gguf
@@ -94,6 +98,12 @@ def _finish_gguf(model: nn.Module, model_config: ModelConfig) -> None:
             weight.data = weight.data.new_empty((0, weight.shape[-1]))
         if isinstance(module, LMHead) and isinstance(gguf, GGUFLinear) and not gaps:
             module.gguf = _ranked_head(gguf, model_config) or gguf
+        elif isinstance(gguf, GGUFLinear) and not isinstance(module, (VocabEmbedding, LMHead)) and \
+                device.type == "cpu" and envs.PAGEDLLM_GGUF_REPACK:
+            repacked += gguf.repack()
+    if repacked:
+        logger.info("GGUF: %.2f GB of Q4_K / Q6_K weights repacked for decode in %.1f s", repacked / 1e9,
+                    time.perf_counter() - start)
 
 
 def _ranked_head(blocks: GGUFLinear, model_config: ModelConfig) -> GGUFRankedHead | None:

@@ -14,6 +14,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from pagedllm.model_executor.layers import gguf_ops  # noqa: E402
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead  # noqa: E402
 from pagedllm.transformers_utils.gguf_loader import convert_gguf  # noqa: E402
 from tests.model_executor.loader.hf_to_gguf import write_gguf  # noqa: E402
@@ -94,6 +95,11 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
         # 7 projections (as 4 fused layers) a layer, the embedding, the head (Gemma's is the embedding)
         assert len(blocks) == 2 * 4 + 2 - (path.stem == "gemma3")
         assert isinstance(model.lm_head.gguf, GGUFRankedHead)  # batch-1 steps rank on a 4-bit copy
+        # On AVX2 / AVX-512 the layers' Q4_K / Q6_K blocks run repacked 8 rows at a time; the
+        # second start below keeps the file's layout and must decode the same tokens.
+        segments = [s for m in linears if isinstance(m.gguf, GGUFLinear) for s in m.gguf.segments]
+        repacked = {T(s.qtype) for s in segments if s.repacked}
+        assert repacked == ({T.Q4_K, T.Q6_K} if gguf_ops.repack_pays() else set())
         for m in linears:  # no float copy: the layers run the file's blocks
             if hasattr(m, "weight"):
                 assert m.weight.numel() == 0
@@ -102,9 +108,11 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
     finally:
         llm.llm_engine.shutdown()
     assert_greedy_match(got, _reference(out, 12), tol=0.05)
-    # The head's ranking copies were cached: a second start reads them, and decodes the same.
+    # The head's ranking copies were cached: a second start reads them, and decodes the same
+    # with the layers in the file's own layout.
     cached = sorted((out.parent.parent / "quantized").glob("*.safetensors"))
     assert len(cached) == 1, cached
+    monkeypatch.setenv("PAGEDLLM_GGUF_REPACK", "0")
     llm = LLM(str(path), dtype="float32", quantization="gguf", max_model_len=128, kv_cache_memory=1 << 26)
     try:
         again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
