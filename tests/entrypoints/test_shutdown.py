@@ -193,3 +193,28 @@ def test_llm_dropped_leaves_nothing(tiny_llama, fresh_tmpdir):
     del llm
     gc.collect()
     assert _children() <= before and not _ipc_dirs(fresh_tmpdir)
+
+
+def test_an_interrupt_a_library_wrapped_still_stops_cleanly(monkeypatch):
+    """A Ctrl-C that lands while pydantic builds a route's schema comes out as pydantic's own
+    error, the KeyboardInterrupt inside it: `serve` still exits 0. Without a signal, an error is
+    an error."""
+    from pagedllm.entrypoints.cli import serve
+    from pagedllm.entrypoints.cli.main import build_parser
+
+    async def interrupted(args):
+        try:
+            serve._raise_interrupt(signal.SIGINT, None)
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error building 'literal' validator") from e
+
+    async def broken(args):
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(serve, "_stop_signals", [])
+    monkeypatch.setattr(serve, "_serve", broken)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        serve.run_serve(build_parser().parse_args(["serve", "/m"]))
+    monkeypatch.setattr(serve, "_serve", interrupted)
+    assert serve.run_serve(build_parser().parse_args(["serve", "/m"])) == 0

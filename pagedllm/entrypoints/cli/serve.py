@@ -43,9 +43,17 @@ def run_serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args))
     except KeyboardInterrupt:
         return 0
+    except Exception:
+        if _stop_signals:  # the interrupt, wrapped by a library it went through (pydantic, building a schema)
+            return 0
+        raise
+
+
+_stop_signals: list[int] = []  # the signals that stopped the server, as they came
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
+    _stop_signals.append(signum)
     raise KeyboardInterrupt
 
 
