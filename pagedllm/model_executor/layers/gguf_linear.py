@@ -128,21 +128,24 @@ class GGUFLinear(nn.Module):
                 view.copy_(F.linear(x2, seg.weight.to(x2.dtype), None if seg_bias is None else seg_bias.to(x2.dtype)))
         return out.view(*x.shape[:-1], self.out_features)
 
-    def repack(self) -> int:
-        """Each Q4_K / Q6_K segment's rows repacked 8 at a time (`gguf_ops.repack`: decode's few
-        activation rows run ~1.7x faster from cache) into memory of their own in 2 MiB pages;
-        the file's pages of them leave this process's resident memory. The outputs stay the same
-        bits. Returns the bytes repacked."""
-        done = 0
+    def repackable(self) -> list[tuple[GGUFSegment, tuple[int, int]]]:
+        """The segments `repack` takes, with their repacked shapes: Q4_K / Q6_K in whole groups of
+        8 rows, where the kernels run them with SIMD."""
         if not gguf_ops.repack_pays():
-            return 0
-        for seg in self.segments:
-            if seg.repacked or not seg.quantized or seg.out_scale is not None or \
-                    not gguf_ops.can_repack(seg.qtype, seg.weight):
-                continue
-            shape = (seg.rows, self.in_features // 256 * gguf_ops.REPACKED_BYTES[seg.qtype])
-            packed = gguf_ops.repack(seg.qtype, seg.weight, self.in_features,
-                                     out=anonymous_zeros(shape, torch.uint8, huge_pages=True))
+            return []
+        return [(seg, (seg.rows, self.in_features // 256 * gguf_ops.REPACKED_BYTES[seg.qtype]))
+                for seg in self.segments if not seg.repacked and seg.quantized and seg.out_scale is None
+                and gguf_ops.can_repack(seg.qtype, seg.weight)]
+
+    def repack(self, alloc: Callable[[tuple[int, int]], torch.Tensor] | None = None) -> int:
+        """Each of `repackable`'s segments repacked 8 rows side by side (`gguf_ops.repack`: decode's
+        few activation rows run ~1.7x faster from cache) into `alloc(shape)`'s uint8 tensor
+        (default: memory of its own in 2 MiB pages); the file's pages of them leave this process's
+        resident memory. The outputs stay the same bits. Returns the bytes repacked."""
+        done = 0
+        for seg, shape in self.repackable():
+            out = alloc(shape) if alloc is not None else anonymous_zeros(shape, torch.uint8, huge_pages=True)
+            packed = gguf_ops.repack(seg.qtype, seg.weight, self.in_features, out=out)
             drop_from_resident(seg.weight)
             seg.weight, seg.repacked = packed, True
             done += packed.numel()

@@ -17,6 +17,7 @@ from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHea
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
+from pagedllm.transformers_utils.page_cache import anonymous_zeros
 from pagedllm.transformers_utils.quant_config import read_quant_format
 from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized
 from pagedllm.transformers_utils.weight_utils import iterate_weights
@@ -83,7 +84,7 @@ def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.devi
     float weights the layers were built with (never written, so never paged in) go, and on the
     CPU the linears' Q4_K / Q6_K blocks are repacked for decode (`GGUFLinear.repack`; not the
     embedding and head, which are also read a row at a time)."""
-    repacked, start = 0, time.perf_counter()
+    linears = []
     for name, module in model.named_modules():
         if isinstance(module, LMHead) and module.gguf is None and module.tied_to is not None:
             module.gguf = module.tied_to.gguf
@@ -98,12 +99,30 @@ def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.devi
             weight.data = weight.data.new_empty((0, weight.shape[-1]))
         if isinstance(module, LMHead) and isinstance(gguf, GGUFLinear) and not gaps:
             module.gguf = _ranked_head(gguf, model_config) or gguf
-        elif isinstance(gguf, GGUFLinear) and not isinstance(module, (VocabEmbedding, LMHead)) and \
-                device.type == "cpu" and envs.PAGEDLLM_GGUF_REPACK:
-            repacked += gguf.repack()
-    if repacked:
-        logger.info("GGUF: %.2f GB of Q4_K / Q6_K weights repacked for decode in %.1f s", repacked / 1e9,
-                    time.perf_counter() - start)
+        elif isinstance(gguf, GGUFLinear) and not isinstance(module, (VocabEmbedding, LMHead)):
+            linears.append(gguf)
+    if device.type == "cpu" and envs.PAGEDLLM_GGUF_REPACK:
+        _repack(linears)
+
+
+def _repack(linears: list[GGUFLinear]) -> None:
+    """The linears' Q4_K / Q6_K segments repacked into one huge-page arena (a mapping per tensor
+    would leave up to a 2 MiB page's tail resident and unused for each of hundreds of them)."""
+    start = time.perf_counter()
+    sizes = [-(-rows * cols // 64) * 64 for gguf in linears for _, (rows, cols) in gguf.repackable()]
+    if not sizes:
+        return
+    arena, at = anonymous_zeros((sum(sizes),), torch.uint8, huge_pages=True), 0
+
+    def alloc(shape: tuple[int, int]) -> torch.Tensor:
+        nonlocal at
+        out = arena[at : at + shape[0] * shape[1]].view(shape)
+        at += -(-out.numel() // 64) * 64
+        return out
+
+    repacked = sum(gguf.repack(alloc) for gguf in linears)
+    logger.info("GGUF: %.2f GB of Q4_K / Q6_K weights repacked for decode in %.1f s", repacked / 1e9,
+                time.perf_counter() - start)
 
 
 def _ranked_head(blocks: GGUFLinear, model_config: ModelConfig) -> GGUFRankedHead | None:
