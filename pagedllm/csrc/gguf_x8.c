@@ -111,8 +111,9 @@ const uint8_t *gg_x8_file_rows(int type, const uint8_t *grp, int64_t row_bytes, 
 }
 
 #if GG_PANELS
-/* For two rows and more (which take longer over a unit) the unit GG_X8_AHEAD units on is
- * prefetched; for one, the hardware's own prefetch of the stream does better */
+/* Q4_K, two activation rows and more (which take longer over a unit): the unit GG_X8_AHEAD units
+ * on prefetched. For one row, and for Q6_K (one thread, 1 to 4 rows from memory), the hardware's
+ * own prefetch of the stream does better. */
 #define GG_X8_AHEAD 2
 INLINE void gg_x8_prefetch(const int M, const uint8_t *u, const int ubytes) {
     if (M > 1)
@@ -208,7 +209,6 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
         for (int j = 0; j < 8; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nsb; g++) {
         const uint8_t *u = grp + g * GG_X8_Q6_K_UNIT;
-        gg_x8_prefetch(M, u, GG_X8_Q6_K_UNIT);
         const int8_t *xq[GG_TILE];
         const int16_t *xs[GG_TILE];
         __m256i I[GG_TILE];
@@ -217,24 +217,27 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
             xs[r] = a->s16 + (r0 + r) * 2 * a->nb8 + 16 * g;
             I[r] = _mm256_setzero_si256();
         }
-#pragma GCC unroll 4
-        for (int he = 0; he < 4; he++) { /* half h of the block, 16-value half e of its sub-blocks */
-            const int h = he / 2, e = he % 2;
-            __m256i dt[4][GG_TILE]; /* sub-block 4h + t: its dot less 32 x the activations' sum */
-            for (int t = 0; t < 4; t++)
-                for (int r = 0; r < M; r++) dt[t][r] = _mm256_set1_epi32(-32 * xs[r][2 * (4 * h + t) + e]);
+        /* half h of the block, 16-value half e of its sub-blocks, ql chunk c: sub-blocks 4h + c
+         * (low nibbles) and 4h + c + 2 (high), two accumulators a row (AVX2 has 16 registers) */
+#pragma GCC unroll 8
+        for (int hec = 0; hec < 8; hec++) {
+            const int h = hec / 4, e = hec / 2 % 2, c = hec % 2;
+            __m256i dt[2][GG_TILE]; /* sub-block 4h + c + 2i: its dot less 32 x the activations' sum */
+            for (int i = 0; i < 2; i++)
+                for (int r = 0; r < M; r++) dt[i][r] = _mm256_set1_epi32(-32 * xs[r][2 * (4 * h + c + 2 * i) + e]);
 #pragma GCC unroll 4
             for (int jj = 0; jj < 4; jj++) {
                 const int j = 4 * e + jj;
-                __m256i q[4];
-                for (int t = 0; t < 4; t++) q[t] = gg_x8_step(GG_Q6_K, u, 4 * h + t, j);
-                for (int t = 0; t < 4; t++)
-                    for (int r = 0; r < M; r++)
-                        dt[t][r] = GG_DPBUSD(dt[t][r], q[t], gg_bcast4(xq[r] + 32 * (4 * h + t) + 4 * j));
+                for (int i = 0; i < 2; i++) {
+                    const int b = 4 * h + c + 2 * i;
+                    __m256i q = gg_x8_step(GG_Q6_K, u, b, j);
+                    for (int r = 0; r < M; r++) dt[i][r] = GG_DPBUSD(dt[i][r], q, gg_bcast4(xq[r] + 32 * b + 4 * j));
+                }
             }
-            for (int t = 0; t < 4; t++) {
-                __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * (2 * (4 * h + t) + e))));
-                for (int r = 0; r < M; r++) I[r] = _mm256_add_epi32(I[r], _mm256_mullo_epi32(dt[t][r], scv));
+            for (int i = 0; i < 2; i++) {
+                const int b = 4 * h + c + 2 * i;
+                __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * (2 * b + e))));
+                for (int r = 0; r < M; r++) I[r] = _mm256_add_epi32(I[r], _mm256_mullo_epi32(dt[i][r], scv));
             }
         }
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
