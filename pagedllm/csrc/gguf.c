@@ -31,6 +31,8 @@
  * in passes that fit L2. From GG_PANEL_ROWS activation rows on, threads take panels of 8 weight
  * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
  * meets (gg_panel_tile, gguf_panel.c): a decoded step serves 8 outputs, no horizontal sums.
+ * A Q4_K / Q6_K weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8) takes the
+ * x8 kernels for a few rows and panels built straight from its units for many.
  *
  * Batch independence: both ways take the same float operations, in the same order, for every
  * (row, output): unit u's terms go into lane u % 8 of the row's accumulator, and the 8 lanes add
