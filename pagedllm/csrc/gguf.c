@@ -352,21 +352,15 @@ INLINE void gg_k_scales8(const int type, const uint8_t *base, int64_t gbytes, in
     for (int i = 0; i < 8; i++) u[i] = i < cnt ? gg_u32(base + i * gbytes + (type == GG_Q6_K ? 206 : 0)) : 0;
     __m256i v = _mm256_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3], (int)u[4], (int)u[5], (int)u[6],
                                   (int)u[7]);
-    const __m256i low16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9,
-                                           12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i high16 = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7,
-                                            10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i lo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, low16), 0x08);
-    __m256i hi = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, high16), 0x08);
     if (type == GG_Q6_K) {
-        *D = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+        *D = gg_dword_halves(v, 1);
         *Dmin = _mm256_setzero_ps();
     } else {
         /* dmin negated as C's unary minus does (the sign bit flipped), in the lanes of blocks */
         __m256i sign = _mm256_and_si256(_mm256_set1_epi32((int)0x80000000u),
                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        *D = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
-        *Dmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(hi)), _mm256_castsi256_ps(sign));
+        *D = gg_dword_halves(v, 0);
+        *Dmin = _mm256_xor_ps(gg_dword_halves(v, 1), _mm256_castsi256_ps(sign));
     }
 }
 

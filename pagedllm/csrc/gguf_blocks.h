@@ -185,6 +185,15 @@ INLINE __m256 gg_halves8(const uint8_t *p, int64_t stride, const int nb) {
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));
 }
 
+/* The f16 values in the low (hi = 0) or high halves of 8 dwords, as floats */
+INLINE __m256 gg_dword_halves(__m256i v, int hi) {
+    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7,
+                                               10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5,
+                                               8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08)));
+}
+
 /* gg_k_scales on vectors: bytes 0-7 the 8 scales, 8-15 the 8 mins. Reads 16 bytes (the 12
  * scale bytes and 4 after them, still in the super-block). */
 INLINE __m128i gg_k_scales_vec(const uint8_t *s12) {

@@ -137,15 +137,6 @@ INLINE __m256 gg_x8_sum(const __m256 *A) {
                          _mm256_add_ps(_mm256_add_ps(A[1], A[5]), _mm256_add_ps(A[3], A[7])));
 }
 
-/* The 8 rows' f16 scales in the low (hi = 0) or high halves of 8 dwords, as floats */
-INLINE __m256 gg_x8_halves(__m256i v, int hi) {
-    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7,
-                                               10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
-                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5,
-                                               8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08)));
-}
-
 /* out[r] (lane c: row c of the group) = activation row r0 + r . the group's row c, r < M */
 INLINE void gg_x8_q4k(const int M, const uint8_t *grp, int64_t nsb, const gg_act *act, int64_t r0, __m256 *out) {
     const gg_act local = *act, *a = &local; /* see gg_row */
@@ -192,7 +183,7 @@ INLINE void gg_x8_q4k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
                     Imin[r], _mm256_mullo_epi32(mv, _mm256_set1_epi32(a->b32[(r0 + r) * a->nb8 + 8 * g + s])));
         }
         const __m256i dd = _mm256_loadu_si256((const __m256i *)u);
-        const __m256 D = gg_x8_halves(dd, 0), Dmin = _mm256_xor_ps(gg_x8_halves(dd, 1), _mm256_set1_ps(-0.0f));
+        const __m256 D = gg_dword_halves(dd, 0), Dmin = _mm256_xor_ps(gg_dword_halves(dd, 1), _mm256_set1_ps(-0.0f));
         for (int r = 0; r < M; r++) {
             __m256 xd = _mm256_set1_ps(a->d[(r0 + r) * a->nb8 + 8 * g]), *A = &acc[r][g % 8];
             *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(D, xd), *A);
