@@ -42,39 +42,32 @@ static void gg_x8_move(int type, uint8_t *rows, int64_t row_bytes, int64_t nsb, 
 }
 
 #if GG_PANELS
-/* The same moves as gg_x8_move's to x8, by 8 x 8 dword transposes: a Q4_K unit is each row's 36
- * dwords transposed (dword d of row r at 32 d + 4 r); a Q6_K unit takes ql and qh (dwords 0-47)
- * so, each transposed dword to its place, and the 17 scale bytes one at a time. */
+/* The same moves as gg_x8_move's to x8, the quants' dwords (Q4_K's 36 from its block's start, of
+ * which 32 here; Q6_K's ql and qh, 48) by 8 x 8 transposes: dword f of row r lands at its piece's
+ * place for row 0, + 4 r. The rest piece by piece. */
 static void gg_x8_pack(int type, const uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *x8) {
     const int64_t gbytes = GG_GROUP_BYTES(type), ubytes = GG_X8_UNIT(type);
+    /* the first transposed dword's piece, and the pieces transposed */
+    const int first = type == GG_Q4_K ? 0 : 17, dwords = type == GG_Q4_K ? 32 : 48;
+    gg_piece pieces[8][72];
+    int count[8];
+    for (int r = 0; r < 8; r++) count[r] = gg_x8_pieces(type, r, pieces[r]);
     for (int64_t g = 0; g < nsb; g++) {
         const uint8_t *blk = rows + g * gbytes;
         uint8_t *unit = x8 + g * ubytes;
-        const int dwords = type == GG_Q4_K ? 32 : 48; /* whole transposes; Q4_K's last 4 below */
         for (int i = 0; i < dwords / 8; i++) {
             __m256i in[8], out[8];
             for (int r = 0; r < 8; r++) in[r] = _mm256_loadu_si256((const __m256i *)(blk + r * row_bytes + 32 * i));
             gg_transpose8(in, out);
-            for (int s = 0; s < 8; s++) {
-                int f = 8 * i + s, dst;
-                if (type == GG_Q4_K)
-                    dst = 32 * f;
-                else if (f < 32) /* ql: half f / 16, chunk f / 8 % 2, quad f % 8 */
-                    dst = 144 + 96 * (8 * (f / 16) + f % 8) + 32 + 32 * (f / 8 % 2);
-                else /* qh: half (f - 32) / 8, quad f % 8 */
-                    dst = 144 + 96 * (f - 32);
-                _mm256_storeu_si256((__m256i *)(unit + dst), out[s]);
-            }
+            for (int s = 0; s < 8; s++)
+                _mm256_storeu_si256((__m256i *)(unit + pieces[0][first + 8 * i + s].dst), out[s]);
         }
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *b = blk + r * row_bytes;
-            if (type == GG_Q4_K) {
-                for (int d = 32; d < 36; d++) memcpy(unit + 32 * d + 4 * r, b + 4 * d, 4);
-            } else {
-                for (int i = 0; i < 16; i++) unit[16 + 8 * i + r] = b[192 + i];
-                memcpy(unit + 2 * r, b + 208, 2);
-            }
-        }
+        for (int r = 0; r < 8; r++)
+            for (int k = 0; k < count[r]; k++)
+                if (k < first || k >= first + dwords) {
+                    const gg_piece *p = &pieces[r][k];
+                    memcpy(unit + p->dst, blk + r * row_bytes + p->src, (size_t)p->len);
+                }
     }
 }
 #endif

@@ -47,7 +47,7 @@ def read_in_huge_pages(mm: np.memmap, path: str, data_start: int) -> None:
     pages and, where its tensor data (from `data_start`) is cached in 4 KiB pages, read it in
     again in 2 MiB ones."""
     mapping = getattr(mm, "_mmap", None)
-    if not _huge_pages_on() or mapping is None or mm.nbytes < _MIN_FILE_BYTES:
+    if not huge_pages_on() or mapping is None or mm.nbytes < _MIN_FILE_BYTES:
         return
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -128,7 +128,8 @@ def _marker(st: os.stat_result) -> Path:
     return envs.PAGEDLLM_CACHE_DIR / "page_cache" / f"no-huge-folios-{st.st_dev:x}-{st.st_ino:x}"
 
 
-def _huge_pages_on() -> bool:
+def huge_pages_on() -> bool:
+    """Whether weights read every step go in 2 MiB pages (`PAGEDLLM_HUGE_PAGE_WEIGHTS`, Linux)."""
     return envs.PAGEDLLM_HUGE_PAGE_WEIGHTS and sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
@@ -157,7 +158,7 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values in memory of its own advised MADV_HUGEPAGE (a CPU tensor of 16 MiB or more
     on Linux; others come back as they are): a weight read every step streams at the higher
     bandwidth above."""
-    if not _huge_pages_on() or t.device.type != "cpu" or t.numel() * t.element_size() < (16 << 20):
+    if not huge_pages_on() or t.device.type != "cpu" or t.numel() * t.element_size() < (16 << 20):
         return t
     return anonymous_zeros(tuple(t.shape), t.dtype, huge_pages=True).copy_(t)
 

@@ -29,7 +29,7 @@ from pagedllm.model_executor.layers.quantization import (
     quantize_weight,
     top_k_indices,
 )
-from pagedllm.transformers_utils.page_cache import anonymous_zeros, drop_from_resident
+from pagedllm.transformers_utils.page_cache import anonymous_zeros, drop_from_resident, huge_pages_on
 
 
 @dataclass(slots=True)
@@ -140,11 +140,12 @@ class GGUFLinear(nn.Module):
     def repack(self, alloc: Callable[[tuple[int, int]], torch.Tensor] | None = None) -> int:
         """Each of `repackable`'s segments repacked 8 rows side by side (`gguf_ops.repack`: decode's
         few activation rows run ~1.7x faster from cache) into `alloc(shape)`'s uint8 tensor
-        (default: memory of its own in 2 MiB pages); the file's pages of them leave this process's
-        resident memory. The outputs stay the same bits. Returns the bytes repacked."""
+        (default: memory of its own, in 2 MiB pages where `huge_pages_on`); the file's pages of
+        them leave this process's resident memory. The outputs stay the same bits. Returns the
+        bytes repacked."""
         done = 0
         for seg, shape in self.repackable():
-            out = alloc(shape) if alloc is not None else anonymous_zeros(shape, torch.uint8, huge_pages=True)
+            out = alloc(shape) if alloc is not None else anonymous_zeros(shape, torch.uint8, huge_pages_on())
             packed = gguf_ops.repack(seg.qtype, seg.weight, self.in_features, out=out)
             drop_from_resident(seg.weight)
             seg.weight, seg.repacked = packed, True

@@ -17,7 +17,7 @@ from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHea
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
-from pagedllm.transformers_utils.page_cache import anonymous_zeros
+from pagedllm.transformers_utils.page_cache import anonymous_zeros, huge_pages_on
 from pagedllm.transformers_utils.quant_config import read_quant_format
 from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized
 from pagedllm.transformers_utils.weight_utils import iterate_weights
@@ -112,7 +112,7 @@ def _repack(linears: list[GGUFLinear]) -> None:
     sizes = [-(-rows * cols // 64) * 64 for gguf in linears for _, (rows, cols) in gguf.repackable()]
     if not sizes:
         return
-    arena, at = anonymous_zeros((sum(sizes),), torch.uint8, huge_pages=True), 0
+    arena, at = anonymous_zeros((sum(sizes),), torch.uint8, huge_pages=huge_pages_on()), 0
 
     def alloc(shape: tuple[int, int]) -> torch.Tensor:
         nonlocal at
