@@ -118,6 +118,15 @@ INLINE int gg_x8_pieces(int type, int r, gg_piece *p) {
     return n;
 }
 
+/* A piece's bytes (its sizes spelled out, so the copies compile to moves, not memcpy calls) */
+INLINE void gg_piece_copy(uint8_t *dst, const uint8_t *src, int len) {
+    switch (len) {
+        case 4: memcpy(dst, src, 4); break;
+        case 2: memcpy(dst, src, 2); break;
+        default: *dst = *src;
+    }
+}
+
 /* Row c's scale bytes (Q4_K: block bytes 0-15; Q6_K: 192-209) from a repacked unit into blk, at
  * their offsets in the file's block: gg_x8_pieces' first 4 (Q4_K) or 17 (Q6_K) pieces */
 INLINE void gg_x8_header(int type, const uint8_t *unit, int c, uint8_t *blk) {

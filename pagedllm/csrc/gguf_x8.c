@@ -34,9 +34,9 @@ static void gg_x8_move(int type, uint8_t *rows, int64_t row_bytes, int64_t nsb, 
             for (int i = 0; i < count[r]; i++) {
                 const gg_piece *p = &pieces[r][i];
                 if (to_x8)
-                    memcpy(unit + p->dst, blk + p->src, (size_t)p->len);
+                    gg_piece_copy(unit + p->dst, blk + p->src, p->len);
                 else
-                    memcpy(blk + p->src, unit + p->dst, (size_t)p->len);
+                    gg_piece_copy(blk + p->src, unit + p->dst, p->len);
             }
         }
 }
@@ -66,7 +66,7 @@ static void gg_x8_pack(int type, const uint8_t *rows, int64_t row_bytes, int64_t
             for (int k = 0; k < count[r]; k++)
                 if (k < first || k >= first + dwords) {
                     const gg_piece *p = &pieces[r][k];
-                    memcpy(unit + p->dst, blk + r * row_bytes + p->src, (size_t)p->len);
+                    gg_piece_copy(unit + p->dst, blk + r * row_bytes + p->src, p->len);
                 }
     }
 }
