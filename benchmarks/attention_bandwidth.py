@@ -1,7 +1,8 @@
 """The Triton paged-attention kernel's achieved memory bandwidth on a decode batch, against the
 device's own copy bandwidth: K/V bytes read per call / time per call. Llama-3.1-8B's attention
-shape (32 query heads, 8 KV heads, head_dim 128, bf16, blocks of 16, shuffled over the cache).
-`python benchmarks/attention_bandwidth.py [--batch 64 --context 4096]` (CUDA)."""
+shape (32 query heads, 8 KV heads, head_dim 128, bf16 queries, blocks of 16, shuffled over the
+cache), for each `--kv-cache-dtype` (a byte cache reads its bytes and a float32 scale per 32).
+`python benchmarks/attention_bandwidth.py [--cases 64x4096] [--kv-cache-dtype auto fp8]` (CUDA)."""
 
 from __future__ import annotations
 
@@ -33,40 +34,57 @@ def _time_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def measure(batch: int, context: int, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16) -> dict:
+def measure(batch: int, context: int, kv: str = "auto", num_heads=32, num_kv_heads=8, head_dim=128,
+            block_size=16) -> dict:
+    from pagedllm.model_executor.layers import kv_quant
     from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
 
     device = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    quant = kv_quant.kv_quant_for(kv)
+    scales = element = None
+    if quant is None:
+        k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+    else:
+        k_cache, v_cache, scales = [], [], []
+        for cache in (k_cache, v_cache):
+            data, scale = kv_quant.quantize(torch.randn(shape, device=device, dtype=torch.bfloat16), quant)
+            cache.append(data)
+            scales.append(scale)
+        k_cache, v_cache, scales, element = k_cache[0], v_cache[0], tuple(scales), quant.element
     tables = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq].view(batch, -1).int() + 1
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     ms = _time_ms(lambda: unified_attention(q, k_cache, v_cache, out, tables, seq_lens, qsl, 1,
-                                            1 / math.sqrt(head_dim)))
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
-    return {"batch": batch, "context": context, "ms": ms, "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / (ms / 1e3)}
+                                            1 / math.sqrt(head_dim), None, None, scales, element))
+    kv_bytes = 2 * batch * context * num_kv_heads * kv_quant.bytes_per_token_head(head_dim, 2, quant)
+    return {"kv_cache_dtype": kv, "batch": batch, "context": context, "ms": ms, "kv_bytes": kv_bytes,
+            "bytes_per_s": kv_bytes / (ms / 1e3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default="1x4096,16x4096,64x4096,128x2048,256x1024")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     peak = copy_bandwidth(torch.device("cuda"))
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {peak / 1e12:.2f} TB/s (read + write)")
     rows = []
-    for case in args.cases.split(","):
-        batch, context = (int(x) for x in case.split("x"))
-        r = measure(batch, context)
-        r["share_of_copy_bandwidth"] = r["bytes_per_s"] / peak
-        rows.append(r)
-        print(f"batch {batch:4d} x {context:5d} keys: {r['ms'] * 1e3:8.1f} us, {r['kv_bytes'] / 1e6:8.1f} MB K/V, "
-              f"{r['bytes_per_s'] / 1e12:.2f} TB/s = {100 * r['share_of_copy_bandwidth']:.0f}% of the copy's")
+    for kv in args.kv_cache_dtype:
+        for case in args.cases.split(","):
+            batch, context = (int(x) for x in case.split("x"))
+            r = measure(batch, context, kv)
+            r["share_of_copy_bandwidth"] = r["bytes_per_s"] / peak
+            rows.append(r)
+            print(f"{kv:8s} batch {batch:4d} x {context:5d} keys: {r['ms'] * 1e3:8.1f} us, "
+                  f"{r['kv_bytes'] / 1e6:8.1f} MB K/V, {r['bytes_per_s'] / 1e12:.2f} TB/s = "
+                  f"{100 * r['share_of_copy_bandwidth']:.0f}% of the copy's")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": peak, "cases": rows}, f, indent=1)

@@ -7,6 +7,8 @@
 #   throughput  `bench throughput` on it: 1,000 prompts, 512 in / 128 out;
 #   profile     a decode step taken apart: graph replay, eager forward, LM head (profile_cuda_step.py);
 #   async       latency and throughput again with --async-scheduling;
+#   kvcache     --kv-cache-dtype: the attention kernel over each byte cache, and a decode batch of 64
+#               sequences of 2,048 prompt tokens on the 8B shape with a bf16 against an fp8 cache;
 #   suites      with the time left, suites that run on the default device (CUDA there; SUITES names them).
 # PHASES (default: all but async, in that order) picks phases; results land in $OUT (default
 # /tmp/device_check): logs, JSON and summary.txt.
@@ -76,6 +78,21 @@ profile() {
 async() {
     latency latency_async --async-scheduling
     throughput throughput_async --async-scheduling
+}
+
+kvcache() {
+    timeout "$(cap 90)" $PY benchmarks/attention_bandwidth.py --kv-cache-dtype auto int8 fp8 fp8_e5m2 \
+        --cases 1x4096,16x4096,64x4096,256x1024 --output-json "$OUT/attention_kv.json" 2>&1 | tee -a "$SUMMARY"
+    local kv
+    for kv in ${KV_DTYPES:-auto fp8}; do
+        timeout "$(cap 150)" "${PAGEDLLM[@]}" bench latency --model "$MODEL" --load-format dummy --dtype bfloat16 \
+            --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 131072 --batch-size 64 \
+            --input-len 2048 --output-len 128 \
+            --num-iters-warmup 1 --num-iters 2 --kv-cache-dtype $kv --output-json "$OUT/latency_64x2048_$kv.json" \
+            > "$OUT/latency_64x2048_$kv.log" 2>&1
+        note "64 x 2048 kv $kv rc=$? $(grep -E 'TTFT|TPOT|Avg latency' "$OUT/latency_64x2048_$kv.log" | tr '\n' ' ')"
+        grep -E "KV cache|blocks" "$OUT/latency_64x2048_$kv.log" | tee -a "$SUMMARY"
+    done
 }
 
 suites() {

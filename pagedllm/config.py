@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedllm import cpu_isa, envs
+from pagedllm import cpu_isa
 from pagedllm.transformers_utils.default_model import DEFAULT_MODEL
 
 _DTYPES = {
@@ -431,13 +431,9 @@ GGUF_CPU_QUANTIZATION = "gguf"
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def check_kv_cache_dtype(cache_dtype: str, device: torch.device) -> None:
+def check_kv_cache_dtype(cache_dtype: str) -> None:
     if cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
-    if cache_dtype != "auto" and (device.type != "cpu" or envs.PAGEDLLM_ATTENTION_BACKEND == "triton"):
-        # The Triton kernels read a float cache; the byte cache's readers are the CPU kernels and torch.
-        raise ValueError(f"kv_cache_dtype={cache_dtype!r} runs on the CPU attention path only, not on device "
-                         f"{str(device)!r} or the Triton kernels: use kv_cache_dtype='auto' there")
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:

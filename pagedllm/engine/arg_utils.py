@@ -188,7 +188,7 @@ class EngineArgs:
                                                 self.data_parallel_size, backend)
         device = resolve_device(self.device)
         check_quantization(self.quantization, device)
-        check_kv_cache_dtype(self.kv_cache_dtype, device)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if device.type == "cuda":
             check_cuda_layout(parallel_config)
         if self.runner not in ("auto", "generate", "pooling"):

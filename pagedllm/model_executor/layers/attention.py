@@ -18,7 +18,8 @@ K/V are read back as stored, so every read of a token sees the same values howev
 was chunked.
 
 Where the step carries Triton metadata (CUDA), the K/V go in and are read through the Triton
-kernels instead (`triton_ops`): one launch for the whole mixed step, no gather.
+kernels instead (`triton_ops`): one launch for the whole mixed step, no gather, a byte cache
+written and read by the kernels with kv_quant's roundings.
 """
 
 from __future__ import annotations
@@ -117,16 +118,18 @@ class Attention(nn.Module):
         from pagedllm.model_executor.layers.triton_ops.kv_cache import reshape_and_cache
         from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
 
-        if self.kv_quant is not None:
-            raise ValueError("a quantized KV cache runs on the CPU kernels only, not the Triton ones")
         t = md.triton
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        quant = self.kv_quant
+        scales = None if quant is None else (self.kv_scales[0], self.kv_scales[1])
+        element = None if quant is None else quant.element
+        reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping, scales, element, quant.qmax if quant else 0.0)
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return unified_attention(q, k_cache, v_cache, out, t.block_tables, t.seq_lens, t.query_start_loc,
-                                 t.max_query_len, self.scale, self.sliding_window, self.logits_soft_cap)
+                                 t.max_query_len, self.scale, self.sliding_window, self.logits_soft_cap,
+                                 scales, element)
 
     def _decode(
         self,

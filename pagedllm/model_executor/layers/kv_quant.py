@@ -14,8 +14,8 @@ nats on counting text (docs/quantization.md). Kinds:
 The cache tensors are uint8 [2, blocks, block_size, hk, d] and float32 scales [2, blocks,
 block_size, hk, d / 32]. (A head size not a multiple of 32 takes one scale per head vector.) On
 CPU the C kernels write and read them (`pl_kv_cache_write`, and the decode attention, which
-scales each loaded vector); elsewhere, and for the prompt's SDPA path, the torch functions here
-do, with the same roundings.
+scales each loaded vector); on the Triton path (CUDA) its kernels do (triton_ops); elsewhere,
+and for the prompt's SDPA path, the torch functions here do, all with the same roundings.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ BLOCK_Q x group rows share each K/V tile they load), and walks that sequence's k
 BLOCK_N with an online softmax in float32: causal by position, limited to a sliding window and
 soft-capped where the layer asks. Programs map onto sequences by a binary search over
 `query_start_loc`, so the grid depends only on the token and sequence counts, which a CUDA graph
-of a decode batch fixes.
+of a decode batch fixes. A byte cache (`--kv-cache-dtype`) is read as bytes and its group
+scales, each tile turned into values in the query's dtype as it is loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pagedllm import envs
+from pagedllm.model_executor.layers.triton_ops.kv_cache import kv_kind
 
 
 @triton.jit
@@ -35,15 +37,29 @@ def _find_seq(query_start_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _bytes_to_float(raw, KV_KIND: tl.constexpr):
+    """A byte cache's elements (uint8 as stored) as float32."""
+    if KV_KIND == 1:
+        x = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    elif KV_KIND == 2:
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
     num_seqs, scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_sb, stride_ss, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    KV_KIND: tl.constexpr, SCALE_GROUP: tl.constexpr, NUM_SCALES: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,6 +80,8 @@ def _unified_attention_kernel(
     head = kv_head * GROUP + g
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, BLOCK_D // SCALE_GROUP)  # a byte cache's scales of a head vector
+    s_ok = offs_s < NUM_SCALES
     token = (q_begin + q_idx).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -84,8 +102,21 @@ def _unified_attention_kernel(
         k_ok = keys < last
         block = tl.load(table + keys // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot = keys % KV_BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        at = block * stride_sb + slot * stride_ss + kv_head * stride_sh  # a byte cache's scales (unused otherwise)
+        k_ptrs = k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
+            + offs_d[:, None]
+        k_mask = k_ok[None, :] & d_ok[:, None]
+        if KV_KIND == 0:
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
+        else:
+            # A byte cache: each element times its group's scale (the same block, slot and head;
+            # NUM_SCALES of them, one per SCALE_GROUP elements), loaded once per group and
+            # broadcast, then rounded to the query's dtype (kv_quant.dequantize).
+            k_scales = tl.load(k_scale_ptr + at[None, :] + offs_s[:, None], mask=k_ok[None, :] & s_ok[:, None],
+                               other=0.0)  # [BLOCK_D // SCALE_GROUP, BLOCK_N]
+            k = _bytes_to_float(tl.load(k_ptrs, mask=k_mask, other=0), KV_KIND)
+            k = tl.reshape(tl.reshape(k, [BLOCK_D // SCALE_GROUP, SCALE_GROUP, BLOCK_N]) * k_scales[:, None, :],
+                           [BLOCK_D, BLOCK_N]).to(q.dtype)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee") * scale
         elif DOT_F32:
@@ -103,8 +134,17 @@ def _unified_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v_ptrs = v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
+            + offs_d[None, :]
+        v_mask = k_ok[:, None] & d_ok[None, :]
+        if KV_KIND == 0:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            v_scales = tl.load(v_scale_ptr + at[:, None] + offs_s[None, :], mask=k_ok[:, None] & s_ok[None, :],
+                               other=0.0)  # [BLOCK_N, BLOCK_D // SCALE_GROUP]
+            v = _bytes_to_float(tl.load(v_ptrs, mask=v_mask, other=0), KV_KIND)
+            v = tl.reshape(tl.reshape(v, [BLOCK_N, BLOCK_D // SCALE_GROUP, SCALE_GROUP]) * v_scales[:, :, None],
+                           [BLOCK_N, BLOCK_D]).to(q.dtype)
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
         elif DOT_F32:
@@ -138,11 +178,14 @@ def unified_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    element: torch.dtype | None = None,
 ) -> torch.Tensor:
     """q, out: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
     [R, max_blocks] int32; seq_lens: [R] int32 (context + this step's query); query_start_loc:
     [R + 1] int32, each sequence's first token in q. `max_query_len` picks the tile shape (a
-    bound suffices: the grid depends only on T and R)."""
+    bound suffices: the grid depends only on T and R). A byte cache (uint8) also takes `scales`
+    (K's and V's, [num_blocks, block_size, Hk, groups] float32) and its `element` type."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
@@ -159,16 +202,26 @@ def unified_attention(
     # Triton's CPU interpreter multiplies 16-bit floats by their bits: it gets exact float32
     # copies (the tensor cores also sum in float32).
     interpreted = envs.TRITON_INTERPRET
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unread for a float cache
+    # A byte cache's scales per head vector, and the elements each covers, padded to BLOCK_D:
+    # groups of 32 where head_dim is a multiple of 32, else one scale for the whole vector.
+    num_scales = k_scales.shape[3] if scales is not None else 1
+    scale_group = block_d if num_scales == 1 else head_dim // num_scales
+    if scales is not None:
+        assert k_scales.stride() == v_scales.stride() and k_scales.stride(3) == 1 and block_d % scale_group == 0
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, k_scales, v_scales,
         block_tables, seq_lens, query_start_loc,
         num_seqs, scale, softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_Q=block_q, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
         USE_SOFTCAP=softcap is not None and softcap > 0, USE_WINDOW=sliding_window is not None,
         IEEE=q.dtype == torch.float32, DOT_F32=interpreted and q.dtype != torch.float32,
+        KV_KIND=kv_kind(element if scales is not None else None),
+        SCALE_GROUP=scale_group, NUM_SCALES=num_scales,
     )
     return out

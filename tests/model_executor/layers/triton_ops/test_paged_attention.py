@@ -1,6 +1,7 @@
 """The unified paged-attention kernel against plain torch: decode rows, prefill chunks with
 and without cached context, mixed steps, block tables with holes, GQA, sliding windows and
-soft-capping. Under Triton's interpreter without a GPU, natively with one."""
+soft-capping, over float and byte caches (`--kv-cache-dtype`, whose writes must store exactly
+kv_quant's bytes and scales). Under Triton's interpreter without a GPU, natively with one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from pagedllm.model_executor.layers import kv_quant
 from pagedllm.model_executor.layers.triton_ops.kv_cache import reshape_and_cache
 from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
 
@@ -32,15 +34,57 @@ def reference(q, k_seq, v_seq, context, scale, window, softcap):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+class Cache:
+    """The K and V caches of one layer, float or bytes with their scales (kv_quant's layout),
+    filled with garbage."""
+
+    def __init__(self, gen, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv):
+        self.quant = kv_quant.kv_quant_for(kv)
+        self.hk, self.d, self.dtype = num_kv_heads, head_dim, dtype
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.quant is None:
+            self.data = torch.randn(*shape, generator=gen).to(dtype)
+            self.scales = None
+        else:
+            self.data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            self.scales = torch.rand(*shape[:-1], kv_quant.groups_per_head(head_dim), generator=gen)
+
+    def put(self, slots, k, v):
+        """Store K/V at `slots` as the torch reference stores them (the context of a step)."""
+        for i, x in enumerate((k, v)):
+            if self.quant is None:
+                self.data[i].view(-1, self.hk, self.d)[slots] = x
+            else:
+                data, scales = kv_quant.quantize(x, self.quant)
+                self.data[i].view(-1, self.hk, self.d)[slots] = data
+                self.scales[i].view(-1, self.hk, scales.shape[-1])[slots] = scales
+
+    def seen(self, x):
+        """What a read of stored K/V gives: a byte cache's rounding, in the query's dtype."""
+        return x if self.quant is None else kv_quant.dequantize(*kv_quant.quantize(x, self.quant), self.quant,
+                                                                 self.dtype)
+
+    def to(self, device):
+        self.data = self.data.to(device)
+        self.scales = None if self.scales is None else self.scales.to(device)
+        return self
+
+    def kernel_args(self):
+        """(k_cache, v_cache, scales, element) as reshape_and_cache and unified_attention take them."""
+        scales = None if self.scales is None else (self.scales[0], self.scales[1])
+        return self.data[0], self.data[1], scales, None if self.quant is None else self.quant.element
+
+
 def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, window=None,
-             softcap=None, num_blocks=64, seed=0):
+             softcap=None, num_blocks=64, seed=0, kv="auto"):
     """seqs: (context_len, query_len) per sequence. Each sequence gets scattered, shuffled blocks
     (holes between them hold garbage) and its context K/V written first; the step's K/V go in
-    through reshape_and_cache, as in a forward pass."""
+    through reshape_and_cache, as in a forward pass. `kv`: the cache dtype (a byte kind's keys
+    get outlier channels, as real keys have)."""
     gen = torch.Generator().manual_seed(seed)
     scale = 1 / math.sqrt(head_dim)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache = Cache(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv)
+    channel = torch.ones(head_dim) if kv == "auto" else 1 + 7 * (torch.rand(head_dim, generator=gen) > 0.9)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(-(-(c + n) // block_size) for c, n in seqs)
     tables = torch.zeros(len(seqs), max_blocks + 2, dtype=torch.int32)  # wider than needed
@@ -49,27 +93,27 @@ def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, bloc
         total = ctx + n
         blocks = [free.pop() for _ in range(-(-total // block_size))]
         tables[i, : len(blocks)] = torch.tensor(blocks)
-        kk = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+        kk = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * channel).to(dtype)
         vv = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
         seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(total)])
-        k_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = kk[:ctx]
-        v_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = vv[:ctx]
+        cache.put(seq_slots[:ctx], kk[:ctx], vv[:ctx])
         qs.append(torch.randn(n, num_heads, head_dim, generator=gen).to(dtype))
         ks.append(kk[ctx:])
         vs.append(vv[ctx:])
         slots.append(seq_slots[ctx:])
-        full_k.append(kk)
-        full_v.append(vv)
+        full_k.append(cache.seen(kk))
+        full_v.append(cache.seen(vv))
     q = torch.cat(qs).to(device)
-    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    k_cache, v_cache, scales, element = cache.to(device).kernel_args()
+    qmax = cache.quant.qmax if cache.quant else 0.0
     reshape_and_cache(torch.cat(ks).to(device), torch.cat(vs).to(device), k_cache, v_cache,
-                      torch.cat(slots).to(device))
+                      torch.cat(slots).to(device), scales, element, qmax)
     lens = [n for _, n in seqs]
     query_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     unified_attention(q, k_cache, v_cache, out, tables.to(device), seq_lens, query_start, max(lens), scale,
-                      window, softcap)
+                      window, softcap, scales, element)
     ref = torch.cat([reference(qi, kk, vv, ctx, scale, window, softcap)
                      for qi, kk, vv, (ctx, _) in zip(qs, full_k, full_v, seqs)])
     return out.cpu().double(), ref
@@ -124,3 +168,53 @@ def test_padding_rows_are_skipped(device):
     reshape_and_cache(k, k, k_cache, v_cache, torch.tensor([5, -1, 17], device=device))
     written = (k_cache.view(-1, 2, 32) != 0).any(-1).any(-1).nonzero().flatten().tolist()
     assert written == [5, 17]
+
+
+BYTE_KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("kv", BYTE_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_byte_cache_matches_reference(device, dtype, kv):
+    """Decodes, a fresh prompt and chunks after context over a byte cache: attention over the
+    values the cache holds, the step's own K/V included (written by the kernel)."""
+    out, ref = run_case(device, dtype, [(0, 7), (30, 1), (16, 20), (40, 5)], kv=kv)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("head_dim", [48, 128])
+def test_byte_cache_head_dims_and_window(device, head_dim):
+    """48: one scale per head vector (not a multiple of 32); 128: four groups per head."""
+    out, ref = run_case(device, torch.float32, [(3, 1), (0, 19), (21, 3)], head_dim=head_dim, block_size=8,
+                        window=9, kv="int8", num_heads=6, num_kv_heads=2)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("kv", BYTE_KINDS)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 48), (torch.bfloat16, 128)])
+def test_byte_cache_write_stores_kv_quant_bytes(device, dtype, head_dim, kv):
+    """The kernel's bytes and scales equal kv_quant.quantize's bit for bit (its roundings: IEEE
+    division, ties to even, float8 subnormals), on values spanning 11 decades, zeros and -0.0;
+    padding slots write nothing."""
+    quant = kv_quant.kv_quant_for(kv)
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, hk = 7, 2
+    k = (torch.randn(num_tokens, hk, head_dim, generator=gen) * torch.logspace(-8, 3, head_dim)).to(dtype)
+    v = torch.randn(num_tokens, hk, head_dim, generator=gen).to(dtype)
+    k[0, 0] = 0
+    k[1, 1, :5] = -0.0
+    v[2, 0, 3] = 0.5 * v[2, 0].abs().max()  # a value at a rounding tie for some kinds is likely somewhere
+    groups = kv_quant.groups_per_head(head_dim)
+    cache = torch.zeros(2, 4, 8, hk, head_dim, dtype=torch.uint8, device=device)
+    scales = torch.zeros(2, 4, 8, hk, groups, device=device)
+    slots = torch.tensor([3, -1, 9, 17, 31, 0, 12])
+    reshape_and_cache(k.to(device), v.to(device), cache[0], cache[1], slots.to(device), (scales[0], scales[1]),
+                      quant.element, quant.qmax)
+    kept = slots >= 0
+    for i, x in enumerate((k, v)):
+        data, scale = kv_quant.quantize(x, quant)
+        assert torch.equal(cache[i].cpu().view(-1, hk, head_dim)[slots[kept]], data[kept])
+        assert torch.equal(scales[i].cpu().view(-1, hk, groups)[slots[kept]], scale[kept])
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert not cache.cpu().view(2, 32, -1)[:, untouched].any()

@@ -10,10 +10,12 @@ into a new KV block (the 27- and 43-token prompts at positions 32 and 48), and p
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.model_executor.models.test_models import PROMPTS, SCENARIOS
 from tests.utils import assert_greedy_match, assert_idle, hf_greedy, make_tiny_model
+from tests.worker.test_kv_cache_dtype import LOGPROB_TOL
 
 MAX_TOKENS = 8
 
@@ -37,24 +39,35 @@ def tiny(tmp_path_factory):
     return get
 
 
-def check_scenario(path: str, ref: list, scenario: str, device: str) -> None:
-    """Greedy tokens equal to `ref` under SCENARIOS[scenario], decode steps through the CUDA-graph
-    runner; every block free after; preemptions and prefix hits where the scenario makes them."""
-    llm = LLM(path, dtype="float32", device=device, **SCENARIOS[scenario])
+def check_scenario(path: str, ref: list, scenario: str, device: str, tol: float = 1e-3, **engine) -> None:
+    """Greedy tokens equal to `ref` (up to ties within `tol`) under SCENARIOS[scenario], decode
+    steps through the CUDA-graph runner; every block free after; preemptions and prefix hits
+    where the scenario makes them (a hit reads back exactly what the first run stored)."""
+    llm = LLM(path, dtype="float32", device=device, **SCENARIOS[scenario], **engine)
     runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     assert runner.cuda_graphs is not None
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert runner.kv_caches[0].dtype == (torch.uint8 if "kv_cache_dtype" in engine else torch.float32)
+    params = SamplingParams(temperature=0, max_tokens=len(ref[0]["tokens"]), ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert_greedy_match([o.outputs[0].token_ids for o in outs], ref)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert_greedy_match(tokens, ref, tol=tol)
     assert_idle(llm)
     if scenario == "preemption":
         assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     if scenario == "plain":
         again = llm.generate(PROMPTS[4:], params, use_tqdm=False)  # the two with a shared prefix: cache hits
-        assert_greedy_match([o.outputs[0].token_ids for o in again], ref[4:])
+        assert [list(o.outputs[0].token_ids) for o in again] == tokens[4:]
         assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
 
 
 @pytest.mark.parametrize("arch,scenario", CASES)
 def test_greedy_matches_transformers(tiny, arch, scenario, device):
     check_scenario(*tiny(arch), scenario, device.type)
+
+
+@pytest.mark.parametrize("arch,scenario,kv_cache_dtype", [("llama", "plain", "int8"), ("gemma3", "chunked", "fp8"),
+                                                          ("qwen3", "preemption", "fp8_e5m2")])
+def test_byte_cache_keeps_transformers_tokens(tiny, arch, scenario, kv_cache_dtype, device):
+    """`--kv-cache-dtype` on the Triton kernels: the tokens stay with transformers' up to what a
+    byte cache may move (tests/worker/test_kv_cache_dtype.py's tolerances), and the cache holds bytes."""
+    check_scenario(*tiny(arch), scenario, device.type, tol=LOGPROB_TOL[kv_cache_dtype], kv_cache_dtype=kv_cache_dtype)
