@@ -1,7 +1,8 @@
 """Chat prompts for training an EAGLE head (`train_eagle.py`) and, held out from them, for
-measuring it (`bench_eagle.py`). The training prompts cross question templates with subjects
-(Python's own help topics and standard-library modules, everyday things); the held-out prompts
-are written apart, with templates and subjects the training set does not use."""
+measuring it (`bench_eagle.py`). The training prompts cross question templates with subjects:
+everyday things for two prompts in three, Python's own help topics and standard-library modules
+for the rest; the held-out prompts are written apart, with templates and subjects the training
+set does not use."""
 
 from __future__ import annotations
 
@@ -56,6 +57,67 @@ EVERYDAY = [
 ]
 
 
+# More everyday subjects, and question forms of their own: the held-out prompts are everyday
+# questions, so the training set leans on everyday subjects (two in three prompts) rather than
+# on Python's modules. None of these names a held-out prompt's subject.
+MORE_EVERYDAY = [
+    "a lemon", "a violin", "the Eiffel Tower", "a thunderstorm", "a kitchen knife", "a snail", "a bicycle helmet",
+    "penguins", "a submarine", "a toothbrush", "the Great Wall of China", "a candle", "a wristwatch", "a pencil",
+    "an umbrella", "a microwave oven", "a washing machine", "a public library card", "a subway", "a skyscraper",
+    "a coral reef", "a glacier", "a rainforest", "a tornado", "the Pacific Ocean", "the Sahara", "a waterfall",
+    "elephants", "owls", "wolves", "sharks", "butterflies", "ants", "horses", "dolphins", "octopuses", "a hamster",
+    "a goldfish", "a parrot", "tomatoes", "rice", "chocolate", "cheese making", "pizza", "pancakes", "olive oil",
+    "strawberries", "a sandwich", "sushi", "apples", "potatoes", "salt", "sugar", "yoghurt", "spices", "a smoothie",
+    "gardening tools", "a vegetable garden", "composting", "a greenhouse", "a lawn mower", "a hammer", "a ladder",
+    "a screwdriver", "paint", "a tent", "a backpack", "hiking boots", "a compass", "a fishing rod", "a kayak",
+    "swimming", "running shoes", "yoga", "basketball", "tennis", "cycling", "skiing", "a gym", "stretching",
+    "a nurse", "a firefighter", "a pilot", "a carpenter", "a chef", "a farmer", "an architect", "a journalist",
+    "a librarian", "a dentist", "a plumber", "a translator", "a scientist", "a judge", "a shopkeeper",
+    "a bank account", "a credit card", "taxes", "a budget spreadsheet", "insurance", "a mortgage", "inflation",
+    "a small business", "a job application", "a resume", "a meeting", "an email inbox", "a calendar", "a deadline",
+    "a password", "a smartphone", "a laptop battery", "a keyboard", "a printer", "a web browser", "a search engine",
+    "a database", "an operating system", "a text editor", "version control", "a compiler", "an API", "a website",
+    "a video game", "a social network", "a podcast", "a movie theatre", "a concert", "a novel", "poetry", "painting",
+    "sculpture", "a photograph album", "a board game", "a jigsaw puzzle", "a crossword", "magic tricks", "dancing",
+    "singing", "a guitar", "drums", "an orchestra", "a choir", "a theatre play", "comic books", "a fairy tale",
+    "gravity", "magnetism", "atoms", "light", "sound", "heat", "friction", "a battery", "a magnet", "a microscope",
+    "the human brain", "bones", "muscles", "the lungs", "teeth", "the eyes", "skin", "blood", "sleep habits",
+    "vitamins", "exercise", "a balanced diet", "drinking water", "a first aid kit", "a cold", "allergies",
+    "the Roman Empire", "ancient Egypt", "the Middle Ages", "the Renaissance", "the Industrial Revolution",
+    "the invention of the telephone", "the first moon landing", "castles", "pyramids", "knights", "pirates",
+    "a village", "a harbour", "a highway", "traffic lights", "a bus stop", "a post office", "a supermarket",
+    "a restaurant", "a hotel", "a hair salon", "a bank", "a police station", "a zoo", "an aquarium", "a playground",
+    "a wedding dress", "a birthday cake", "a holiday", "a new year", "a family dinner", "a picnic", "a road trip",
+    "a pet dog", "a neighbour", "a roommate", "a best friend", "grandparents", "a baby", "teenagers", "a teacher's day",
+    "kindness", "patience", "honesty", "courage", "curiosity", "time management", "public speaking", "teamwork",
+    "stress", "happiness", "boredom", "motivation", "a morning routine", "a to-do list", "procrastination",
+    "electric cars", "wind turbines", "plastic waste", "clean air", "a recycling bin", "saving energy at home",
+]
+
+MORE_TEMPLATES = [
+    "How do I take care of {}?",
+    "What should I know before buying {}?",
+    "Write a funny short poem about {}.",
+    "Give me a few ideas involving {}.",
+    "What is the history behind {}?",
+    "Write a short letter to a friend about {}.",
+    "Explain how {} is made.",
+    "What are three interesting questions about {}?",
+    "Describe {} in one paragraph.",
+    "Write a song verse about {}.",
+    "What would a scientist say about {}?",
+    "Give me a simple plan for learning about {}.",
+    "Why might someone dislike {}?",
+    "Write two sentences that use the word {}.",
+    "Tell me something most people do not know about {}.",
+    "How has {} changed over the last hundred years?",
+    "What is the best thing about {}?",
+    "Write a short review of {}.",
+    "Pretend you are {} and introduce yourself.",
+    "What safety tips apply to {}?",
+]
+
+
 def python_subjects() -> list[str]:
     """Python's help topics and public standard-library module names."""
     from pydoc_data.topics import topics
@@ -73,11 +135,18 @@ def topic_tokens_text() -> str:
 
 
 def train_prompts(num: int, seed: int = 0) -> list[str]:
-    """`num` distinct training prompts, in a seeded random order."""
-    subjects = EVERYDAY + python_subjects()
-    pairs = [(t, s) for t in TRAIN_TEMPLATES for s in subjects]
-    random.Random(seed).shuffle(pairs)
-    return [t.format(s) for t, s in pairs[:num]]
+    """`num` distinct training prompts, in a seeded random order: two in three about everyday
+    subjects, one in three about Python."""
+    templates = TRAIN_TEMPLATES + MORE_TEMPLATES
+    rng = random.Random(seed)
+    everyday = [(t, s) for t in templates for s in EVERYDAY + MORE_EVERYDAY]
+    python = [(t, s) for t in TRAIN_TEMPLATES for s in python_subjects()]
+    rng.shuffle(everyday)
+    rng.shuffle(python)
+    want_python = min(len(python), num // 3)
+    pairs = everyday[: num - want_python] + python[:want_python]
+    rng.shuffle(pairs)
+    return [t.format(s) for t, s in pairs]
 
 
 # Held out: none of these templates or subjects is in the training set.

@@ -34,7 +34,7 @@ static inline void quantize_rows_i16(const void *x, int bf16, int64_t m, int64_t
     }
 }
 
-#ifdef PL_AVX2
+#if defined(PL_AVX2) || defined(PL_AVX512)
 /* The horizontal sums of acc[0..7] as one vector: hadd within 128-bit halves, so after two
  * rounds half h of s0123 holds rows 0-3's sums of their lanes in half h. */
 INLINE __m256 hsum8(const __m256 *acc) {

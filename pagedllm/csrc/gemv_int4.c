@@ -124,23 +124,35 @@ INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const 
     for (int r = 0; r < M; r++) out[r] = vhsum(facc[r]) + fz[r];
 }
 
-#ifdef PL_AVX2
+/* 8 lanes of partial sums: the vector itself, or on AVX-512 its two halves added. */
+INLINE __m256 w4_lanes8(vf v) {
+#if defined(PL_AVX512)
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+#else
+    return v;
+#endif
+}
+
 /* Weight rows [nn, nn + 8) for M activation rows, each activation row's 8 sums reduced as one
- * vector (as w8_m1). Called with M and x2's NULL-ness as constants, so each case compiles apart. */
+ * vector (as w8_m1): one reduction per 8 outputs rather than one per output, which at the LM
+ * head's short rows (640 inputs at the default model) costs as much as the dot products. Called
+ * with M and x2's NULL-ness as constants, so each case compiles apart. */
 INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *w, const float *sz,
                      int64_t g, const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, int64_t nn,
                      void *y, int y_bf16) {
     int64_t groups = k / g;
-    __m256 acc[4][8], parts[4];
-    float fz[4][8], fzr[4];
+    __m256 acc[4][8];
+    vf parts[4];
+    float fz[4][8], fzr[4], out[8];
     for (int j = 0; j < 8; j++) {
         w4_row_parts(x1, x2, kp, M, w + (nn + j) * (k / 2), sz + (nn + j) * groups * 2, g, xsum, groups, parts, fzr);
-        for (int r = 0; r < M; r++) acc[r][j] = parts[r], fz[r][j] = fzr[r];
+        for (int r = 0; r < M; r++) acc[r][j] = w4_lanes8(parts[r]), fz[r][j] = fzr[r];
     }
     for (int r = 0; r < M; r++) {
         __m256 v = _mm256_mul_ps(_mm256_add_ps(hsum8(acc[r]), _mm256_loadu_ps(fz[r])), _mm256_set1_ps(sx[r]));
-        if (bias) v = _mm256_add_ps(v, vload(bias, y_bf16, nn, 8));
-        vstore(y, y_bf16, r * n + nn, v, 8);
+        _mm256_storeu_ps(out, v);
+        for (int j = 0; j < 8; j++)
+            store1(y, y_bf16, r * n + nn + j, out[j] + (bias ? load1(bias, y_bf16, nn + j) : 0.0f));
     }
 }
 
@@ -172,7 +184,6 @@ static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const u
             store1(y, y_bf16, r * n + nn, out[r] * sx[r] + (bias ? load1(bias, y_bf16, nn) : 0.0f));
     }
 }
-#endif
 #else
 INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
                    int64_t g, const float *xsum, int64_t groups, float *out) {
@@ -226,7 +237,7 @@ static void w4_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uin
             for (int64_t i = gi * g; i < (gi + 1) * g; i++) s += xq[r * kp + i];
             xsum[r * groups + gi] = (float)s;
         }
-#ifdef PL_AVX2
+#if defined(PL_AVX2) || defined(PL_AVX512)
     for (int64_t r0 = 0; r0 < m; r0 += 4) {
         int M = m - r0 < 4 ? (int)(m - r0) : 4;
         w4_m8(x1 + r0 * kp, x2 ? x2 + r0 * kp : NULL, kp, M, w, sz, g, xsum + r0 * groups, k, sx + r0, bias, n,
