@@ -29,7 +29,7 @@ from pagedllm.model_executor.layers.quantization import (
     quantize_weight,
     top_k_indices,
 )
-from pagedllm.transformers_utils.page_cache import anonymous_zeros, drop_from_resident, huge_pages_on
+from pagedllm.transformers_utils.page_cache import drop_from_resident
 
 
 @dataclass(slots=True)
@@ -137,15 +137,14 @@ class GGUFLinear(nn.Module):
                 for seg in self.segments if not seg.repacked and seg.quantized and seg.out_scale is None
                 and gguf_ops.can_repack(seg.qtype, seg.weight)]
 
-    def repack(self, alloc: Callable[[tuple[int, int]], torch.Tensor] | None = None) -> int:
+    def repack(self, alloc: Callable[[tuple[int, int]], torch.Tensor]) -> int:
         """Each of `repackable`'s segments repacked 8 rows side by side (`gguf_ops.repack`: decode's
-        few activation rows run ~1.7x faster from cache) into `alloc(shape)`'s uint8 tensor
-        (default: memory of its own, in 2 MiB pages where `huge_pages_on`); the file's pages of
-        them leave this process's resident memory. The outputs stay the same bits. Returns the
-        bytes repacked."""
+        few activation rows run ~1.7x faster from cache) into `alloc(shape)`'s uint8 tensor (the
+        loader's: one huge-page arena for the model); the file's pages of them leave this
+        process's resident memory. The outputs stay the same bits. Returns the bytes repacked."""
         done = 0
         for seg, shape in self.repackable():
-            out = alloc(shape) if alloc is not None else anonymous_zeros(shape, torch.uint8, huge_pages_on())
+            out = alloc(shape)
             packed = gguf_ops.repack(seg.qtype, seg.weight, self.in_features, out=out)
             drop_from_resident(seg.weight)
             seg.weight, seg.repacked = packed, True
