@@ -78,11 +78,11 @@ def _quantize_row(src_ptr, dst_ptr, scale_ptr, groups, offs, mask, g, QMAX: tl.c
     scale = tl.where(scale > 0.0, scale, 1.0)
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if KIND == 1:
+    if KIND == 1:  # KV_INT8
         q = _round_even(y).to(tl.int32).to(tl.uint8)  # two's complement byte of the int8
-    elif KIND == 2:
+    elif KIND == 2:  # KV_E4M3
         q = _float8_bits(y, 3, 7)
-    else:
+    else:  # KV_E5M2
         q = _float8_bits(y, 2, 15)
     tl.store(dst_ptr + offs, q, mask=mask)
     tl.store(scale_ptr + g, scale, mask=g < groups)

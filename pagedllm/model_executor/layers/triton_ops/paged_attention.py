@@ -39,11 +39,11 @@ def _find_seq(query_start_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _bytes_to_float(raw, KV_KIND: tl.constexpr):
     """A byte cache's elements (uint8 as stored) as float32."""
-    if KV_KIND == 1:
+    if KV_KIND == 1:  # kv_cache.KV_INT8
         x = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    elif KV_KIND == 2:
+    elif KV_KIND == 2:  # KV_E4M3
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
+    else:  # KV_E5M2
         x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
     return x
 
@@ -106,7 +106,7 @@ def _unified_attention_kernel(
         k_ptrs = k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
             + offs_d[:, None]
         k_mask = k_ok[None, :] & d_ok[:, None]
-        if KV_KIND == 0:
+        if KV_KIND == 0:  # KV_FLOAT
             k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
         else:
             # A byte cache: each element times its group's scale (the same block, slot and head;
@@ -137,7 +137,7 @@ def _unified_attention_kernel(
         v_ptrs = v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
             + offs_d[None, :]
         v_mask = k_ok[:, None] & d_ok[None, :]
-        if KV_KIND == 0:
+        if KV_KIND == 0:  # KV_FLOAT
             v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         else:
             v_scales = tl.load(v_scale_ptr + at[:, None] + offs_s[None, :], mask=k_ok[:, None] & s_ok[None, :],
