@@ -219,6 +219,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
+                    help="the target layers whose input the head reads (default: vLLM's 2, L/2, L-3)")
     args = ap.parse_args()
 
     from pagedllm import LLM
@@ -228,7 +230,7 @@ def main() -> None:
     llm = LLM(args.model) if args.model else LLM()
     text = llm.llm_engine.config.model_config.text_config
     h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    aux = (2, layers // 2, layers - 3)
+    aux = tuple(sorted(args.aux_layers)) if args.aux_layers else (2, layers // 2, layers - 3)
     data = generate(llm, train_prompts(args.num_prompts, args.seed), args.max_tokens)
     print(f"generated {sum(len(a) for _, a in data)} answer tokens for {len(data)} prompts "
           f"in {time.perf_counter() - start:.0f} s")
