@@ -44,17 +44,11 @@ def measure(batch: int, context: int, kv: str = "auto", num_heads=32, num_kv_hea
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     quant = kv_quant.kv_quant_for(kv)
+    k_cache, v_cache = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(2))
     scales = element = None
-    if quant is None:
-        k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-    else:
-        k_cache, v_cache, scales = [], [], []
-        for cache in (k_cache, v_cache):
-            data, scale = kv_quant.quantize(torch.randn(shape, device=device, dtype=torch.bfloat16), quant)
-            cache.append(data)
-            scales.append(scale)
-        k_cache, v_cache, scales, element = k_cache[0], v_cache[0], tuple(scales), quant.element
+    if quant is not None:  # the bytes and group scales kv_quant stores
+        (k_cache, k_scales), (v_cache, v_scales) = (kv_quant.quantize(x, quant) for x in (k_cache, v_cache))
+        scales, element = (k_scales, v_scales), quant.element
     tables = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq].view(batch, -1).int() + 1
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
