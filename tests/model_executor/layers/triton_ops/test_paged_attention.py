@@ -76,13 +76,13 @@ class Cache:
 
 
 def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, window=None,
-             softcap=None, num_blocks=64, seed=0, kv="auto"):
+             softcap=None, num_blocks=64, seed=0, kv="auto", q_mag=1.0, v_mag=1.0):
     """seqs: (context_len, query_len) per sequence. Each sequence gets scattered, shuffled blocks
     (holes between them hold garbage) and its context K/V written first; the step's K/V go in
     through reshape_and_cache, as in a forward pass. `kv`: the cache dtype (a byte kind's keys
-    get outlier channels, as real keys have)."""
+    get outlier channels, as real keys have). q_mag, v_mag: the queries' and values' size."""
     gen = torch.Generator().manual_seed(seed)
-    scale = 1 / math.sqrt(head_dim)
+    scale = 1 / (math.sqrt(head_dim) * q_mag)
     cache = Cache(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv)
     channel = torch.ones(head_dim) if kv == "auto" else 1 + 7 * (torch.rand(head_dim, generator=gen) > 0.9)
     free = torch.randperm(num_blocks, generator=gen).tolist()
@@ -94,10 +94,10 @@ def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, bloc
         blocks = [free.pop() for _ in range(-(-total // block_size))]
         tables[i, : len(blocks)] = torch.tensor(blocks)
         kk = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * channel).to(dtype)
-        vv = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+        vv = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * v_mag).to(dtype)
         seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(total)])
         cache.put(seq_slots[:ctx], kk[:ctx], vv[:ctx])
-        qs.append(torch.randn(n, num_heads, head_dim, generator=gen).to(dtype))
+        qs.append((torch.randn(n, num_heads, head_dim, generator=gen) * q_mag).to(dtype))
         ks.append(kk[ctx:])
         vs.append(vv[ctx:])
         slots.append(seq_slots[ctx:])
@@ -180,6 +180,17 @@ def test_byte_cache_matches_reference(device, dtype, kv):
     values the cache holds, the step's own K/V included (written by the kernel)."""
     out, ref = run_case(device, dtype, [(0, 7), (30, 1), (16, 20), (40, 5)], kv=kv)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("kv", BYTE_KINDS)
+@pytest.mark.parametrize("q_mag,v_mag", [(3e4, 1e-6), (1e-5, 3e3)])
+def test_byte_cache_far_from_unit_size(device, kv, q_mag, v_mag):
+    """bf16 queries at 3e4 (past float16's range) or 1e-5, over values at 1e-6 or 3e3: nothing on
+    the way (scales, tiles, partial sums) overflows or flushes to zero. The softmax scale shrinks
+    with the queries so the reference's softmax is not one-hot."""
+    out, ref = run_case(device, torch.bfloat16, [(0, 5), (37, 1), (20, 4)], kv=kv, q_mag=q_mag, v_mag=v_mag,
+                        head_dim=64)
+    torch.testing.assert_close(out / v_mag, ref / v_mag, **tolerance(torch.bfloat16))
 
 
 @pytest.mark.parametrize("head_dim", [48, 128])
