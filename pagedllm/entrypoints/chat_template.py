@@ -18,6 +18,7 @@ import functools
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -275,11 +276,14 @@ def _compile_within(source: str, budget: Budget) -> Any:
     previous_trace = sys.gettrace()
     sys.settrace(compile_tracer(budget))
     try:
-        return _compile(source)
+        template = _compile(source)
     except TemplateError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from None
     finally:
         sys.settrace(previous_trace)
+    if time.monotonic() > budget.deadline:  # the tracer's error was swallowed somewhere (and tracing unset)
+        raise ChatTemplateError("the chat template took too long to compile")
+    return template
 
 
 def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

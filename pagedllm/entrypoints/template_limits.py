@@ -6,6 +6,7 @@ operation that can multiply sizes first computes, cheaply, how large its result 
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 from collections.abc import Callable
@@ -16,6 +17,9 @@ from jinja2.utils import Namespace
 _FORMAT_WIDTHS = re.compile(r"(?:%|:)[-#0 +<>^=_,]*(\d*)(?:\.(\d+))?")
 _SCALAR_CHARS = 32  # str() of a float, bool, None or an unknown object, roughly
 _TIME_CHECK_EVERY = 4096  # nodes walked by text_size between deadline checks
+
+
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 class ChatTemplateError(ValueError):
@@ -146,9 +150,11 @@ def check_method(method: Callable, args: tuple, budget: Budget) -> None:
 
 def compile_tracer(budget: Budget) -> Callable:
     """sys.settrace hook for compiling: a deadline check on every Python call of Jinja's lexer,
-    parser and code generator (none of them loops long without calling a function)."""
+    parser and code generator (none of them loops long without calling a function). Generator
+    frames are passed over: one resumed by the garbage collector to be closed would swallow the
+    error, and Python unsets a trace function that raised."""
     def global_(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and time.monotonic() > budget.deadline:
+        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS and time.monotonic() > budget.deadline:
             raise ChatTemplateError("the chat template took too long to compile")
     return global_
 

@@ -199,3 +199,15 @@ def test_template_source_is_capped_and_compiled_within_the_time_limit(tok):
     # an operator's template (a file or the model's own) is trusted with any length
     (got,) = render_conversations(tok, msgs, chat_template="{{ 'x' }}" + " " * MAX_TEMPLATE_CHARS)
     assert got.startswith("x")
+
+
+def test_a_compile_past_the_deadline_fails_even_if_the_tracer_was_lost(monkeypatch):
+    """Python unsets a trace function whose error something swallowed (a generator the garbage
+    collector closes mid-compile): the compile then runs to its end, and its lateness still fails
+    the render as a compile timeout."""
+    from pagedllm.entrypoints import chat_template
+
+    monkeypatch.setattr(chat_template, "compile_tracer", lambda budget: None)
+    big = "{{ messages[0].role }}" * (chat_template.MAX_TEMPLATE_CHARS // 22)
+    with pytest.raises(ChatTemplateError, match="too long to compile"):
+        render_template(big, [{"role": "user", "content": "hi"}], add_generation_prompt=True, timeout_s=0.05)
