@@ -31,8 +31,8 @@
  * in passes that fit L2. From GG_PANEL_ROWS activation rows on, threads take panels of 8 weight
  * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
  * meets (gg_panel_tile, gguf_panel.c): a decoded step serves 8 outputs, no horizontal sums.
- * A Q4_K / Q6_K weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8) takes the
- * x8 kernels for a few rows and panels built straight from its units for many.
+ * A Q4_K / Q6_K / Q5_0 weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8)
+ * takes the x8 kernels for a few rows and panels built straight from its units for many.
  *
  * Batch independence: both ways take the same float operations, in the same order, for every
  * (row, output): unit u's terms go into lane u % 8 of the row's accumulator, and the 8 lanes add
@@ -507,9 +507,9 @@ static void gg_x8_group_rows(int type, int M, const uint8_t *w, int64_t row_byte
         float out[8 * GG_TILE];
 #if GG_PANELS
         (void)fns;
-        gg_x8_rows(type, M, w + jg * row_bytes, nblk / 8, a, r0, out);
+        gg_x8_rows(type, M, w + jg * row_bytes, GG_X8_UNITS(type, nblk), a, r0, out);
 #else
-        const uint8_t *rows = gg_x8_file_rows(type, w + jg * row_bytes, row_bytes, nblk / 8);
+        const uint8_t *rows = gg_x8_file_rows(type, w + jg * row_bytes, row_bytes, GG_X8_UNITS(type, nblk));
         for (int c = 0; c < 8; c++) {
             float o[GG_TILE];
             fns[M - 1](rows + c * row_bytes, a, r0, nblk, o);
@@ -531,7 +531,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     const int x8 = (type & GG_X8) != 0;
     type &= ~GG_X8;
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
-    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K) || n % 8)) return;
+    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0) || n % 8)) return;
     if (type == GG_F32 || type == GG_F16 || type == GG_BF16) {
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;

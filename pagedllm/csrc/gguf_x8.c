@@ -1,4 +1,4 @@
-/* Q4_K and Q6_K weights repacked 8 rows at a time (the "x8" layout), for decode's few
+/* Q4_K, Q6_K and Q5_0 weights repacked 8 rows at a time (the "x8" layout), for decode's few
  * activation rows. A row-at-a-time kernel spends most of its instructions on one row's scales
  * and sums (~90 per 256 values); with 8 rows side by side each 32-byte load holds 4 quants of
  * every row, one vpdpbusd multiplies them by 4 broadcast activations, and the 8 rows' scales,
@@ -6,9 +6,9 @@
  * weights in L3 on a Zen 4 EPYC: Q4_K 33.6 GB/s against the row kernel's 19.2, Q6_K 37.7
  * against 28.0.
  *
- * A unit is one super-block of 8 consecutive rows; a row group's units follow each other: the
- * repacked tensor is n rows of k / 256 x (unit bytes / 8), the file's size for Q4_K and 2.9%
- * more for Q6_K (its units padded to cache lines).
+ * A unit is one super-block (Q5_0: one block of 32) of 8 consecutive rows; a row group's units
+ * follow each other: the repacked tensor is n rows of units x (unit bytes / 8), the file's size
+ * for Q4_K and Q5_0, 2.9% more for Q6_K (its units padded to cache lines).
  *   Q4_K unit (1152 bytes): [0, 32) each row's first 4 bytes (d | dmin << 16); [32, 128) the
  *     scale words (block bytes 4-7, 8-11, 12-15) as 8 dwords each; [128, 1152) qs: for chunk p
  *     (0-3) and quad j (0-7), 4 bytes of each row, qs[32 p + 4 j ..] (32 bytes).
@@ -16,15 +16,18 @@
  *     [144, 1680) for half h, quad j (96 bytes): each row's qh[32 h + 4 j ..], then for chunk c
  *     (0-1) each row's ql[64 h + 32 c + 4 j ..], in the order the kernel reads them; [1680,
  *     1728) zeros, so that units start on cache lines.
+ *   Q5_0 unit (176 bytes): [0, 16) each row's d; [16, 48) each row's qh; [48, 176) for quad c
+ *     (0-3) each row's qs[4 c ..] (32 bytes): its low nibbles are values 4c .., its high ones
+ *     16 + 4c .., and qh's bits the fifth bits of both.
  * The integer sums and the float operations per (row, super-block) are gg_row's (gguf.c), in the
  * same order, so a repacked weight gives the file layout's results bit for bit, whatever the
  * batch. The panels (many rows, gguf_panel.c) are built from the units; the portable build,
  * which has no x8 kernels, reads each group back in the file's layout (gg_x8_file_rows). */
 #include "gguf_blocks.h"
 
-/* 8 rows (row r at rows + r * row_bytes, nsb super-blocks) to or from their units at x8 */
+/* 8 rows (row r at rows + r * row_bytes, nsb units) to or from their units at x8 */
 static void gg_x8_move(int type, uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *x8, int to_x8) {
-    const int64_t gbytes = GG_GROUP_BYTES(type), ubytes = GG_X8_UNIT(type);
+    const int64_t gbytes = GG_X8_BLOCK_BYTES(type), ubytes = GG_X8_UNIT(type);
     gg_piece pieces[8][72];
     int count[8];
     for (int r = 0; r < 8; r++) count[r] = gg_x8_pieces(type, r, pieces[r]);
@@ -73,18 +76,21 @@ static void gg_x8_pack(int type, const uint8_t *rows, int64_t row_bytes, int64_t
 #endif
 
 void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out, int nthreads) {
-    if ((type != GG_Q4_K && type != GG_Q6_K) || n % 8 || k % 256) return; /* gguf_ops checks */
-    const int64_t nsb = k / 256, out_row = nsb * GG_X8_UNIT(type) / 8;
+    if ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0) || n % 8 || k % gg_block_values(type))
+        return; /* gguf_ops checks */
+    const int64_t nsb = GG_X8_UNITS(type, k / 32), out_row = nsb * GG_X8_UNIT(type) / 8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n / 8; i++) {
         uint8_t *x8 = out + 8 * i * out_row;
         for (int64_t g = 0; type == GG_Q6_K && g < nsb; g++) /* the padding */
             memset(x8 + g * GG_X8_Q6_K_UNIT + 8 * 210, 0, GG_X8_Q6_K_UNIT - 8 * 210);
 #if GG_PANELS
-        gg_x8_pack(type, w + 8 * i * row_bytes, row_bytes, nsb, x8);
-#else
-        gg_x8_move(type, (uint8_t *)w + 8 * i * row_bytes, row_bytes, nsb, x8, 1);
+        if (type != GG_Q5_0) {
+            gg_x8_pack(type, w + 8 * i * row_bytes, row_bytes, nsb, x8);
+            continue;
+        }
 #endif
+        gg_x8_move(type, (uint8_t *)w + 8 * i * row_bytes, row_bytes, nsb, x8, 1);
     }
 }
 
@@ -233,6 +239,33 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
     for (int r = 0; r < M; r++) out[r] = gg_x8_sum(acc[r]);
 }
 
+/* Q5_0: a unit a block. Block b's exact integer sum less 16 x the activations' block sum, into
+ * lane b % 8 as gg_legacy_group adds it (float(sum) x (d x activation scale)). */
+INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_act *act, int64_t r0, __m256 *out) {
+    const gg_act local = *act, *a = &local;
+    __m256 acc[GG_TILE][8];
+    for (int r = 0; r < M; r++)
+        for (int j = 0; j < 8; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *u = grp + b * GG_X8_Q5_0_UNIT;
+        __m256i I[GG_TILE];
+        for (int r = 0; r < M; r++) I[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i q = gg_x8_step(GG_Q5_0, u, 0, j);
+            for (int r = 0; r < M; r++) I[r] = GG_DPBUSD(I[r], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
+        }
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
+        for (int r = 0; r < M; r++) {
+            const int64_t at = (r0 + r) * a->nb8 + b;
+            __m256i Io = _mm256_sub_epi32(I[r], _mm256_set1_epi32(16 * (int32_t)a->b32[at]));
+            __m256 *A = &acc[r][b % 8];
+            *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Io), _mm256_mul_ps(D, _mm256_set1_ps(a->d[at])), *A);
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = gg_x8_sum(acc[r]);
+}
+
 #define GG_X8_FN(name, kern, M)                                                                               \
     static void name##_##M(const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, __m256 *out) {      \
         kern(M, grp, nsb, a, r0, out);                                                                        \
@@ -245,13 +278,18 @@ GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 1)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 2)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 3)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 4)
+GG_X8_FN(gg_x8_q50, gg_x8_q50, 1)
+GG_X8_FN(gg_x8_q50, gg_x8_q50, 2)
+GG_X8_FN(gg_x8_q50, gg_x8_q50, 3)
+GG_X8_FN(gg_x8_q50, gg_x8_q50, 4)
 
 void gg_x8_rows(int type, int M, const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, float *out) {
     typedef void (*fn)(const uint8_t *, int64_t, const gg_act *, int64_t, __m256 *);
     static const fn q4k[GG_TILE] = {gg_x8_q4k_1, gg_x8_q4k_2, gg_x8_q4k_3, gg_x8_q4k_4};
     static const fn q6k[GG_TILE] = {gg_x8_q6k_1, gg_x8_q6k_2, gg_x8_q6k_3, gg_x8_q6k_4};
+    static const fn q50[GG_TILE] = {gg_x8_q50_1, gg_x8_q50_2, gg_x8_q50_3, gg_x8_q50_4};
     __m256 o[GG_TILE];
-    (type == GG_Q4_K ? q4k : q6k)[M - 1](grp, nsb, a, r0, o);
+    (type == GG_Q4_K ? q4k : type == GG_Q6_K ? q6k : q50)[M - 1](grp, nsb, a, r0, o);
     for (int r = 0; r < M; r++) _mm256_storeu_ps(out + 8 * r, o[r]);
 }
 #endif

@@ -129,11 +129,11 @@ class GGUFLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def repackable(self) -> list[tuple[GGUFSegment, tuple[int, int]]]:
-        """The segments `repack` takes, with their repacked shapes: Q4_K / Q6_K in whole groups of
-        8 rows, where the kernels run them with SIMD."""
+        """The segments `repack` takes, with their repacked shapes: Q4_K / Q6_K / Q5_0 in whole
+        groups of 8 rows, where the kernels run them with SIMD."""
         if not gguf_ops.repack_pays():
             return []
-        return [(seg, (seg.rows, self.in_features // 256 * gguf_ops.REPACKED_BYTES[seg.qtype]))
+        return [(seg, (seg.rows, gguf_ops.repacked_row_bytes(seg.qtype, self.in_features)))
                 for seg in self.segments if not seg.repacked and seg.quantized and seg.out_scale is None
                 and gguf_ops.can_repack(seg.qtype, seg.weight)]
 

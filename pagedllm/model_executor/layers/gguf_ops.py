@@ -39,12 +39,19 @@ SCALE_FIELDS: dict[int, tuple[int, ...]] = {
 
 _FLOAT = (torch.float32, torch.bfloat16)  # the activation and output dtypes the kernels take
 # Weights repacked 8 rows side by side (csrc/gguf_x8.c), for decode's few rows: the flag on the
-# type id that tells the kernels a weight is, and per type the bytes of 256 values of a row so
-# (a unit, 8 rows' super-blocks, over 8).
+# type id that tells the kernels a weight is, and per type the values of a row a unit holds (a
+# K super-block, Q5_0's block) and the unit's bytes (8 rows').
 _X8_ENUM = cpu_kernels.c_enum("gguf_blocks.h", "GG_X8")
 _X8 = _X8_ENUM["GG_X8"]
-REPACKED_BYTES = {int(_T.Q4_K): _X8_ENUM["GG_X8_Q4_K_UNIT"] // 8, int(_T.Q6_K): _X8_ENUM["GG_X8_Q6_K_UNIT"] // 8}
-REPACK_TYPES = frozenset(REPACKED_BYTES)
+_X8_UNITS = {int(_T.Q4_K): (256, _X8_ENUM["GG_X8_Q4_K_UNIT"]), int(_T.Q6_K): (256, _X8_ENUM["GG_X8_Q6_K_UNIT"]),
+             int(_T.Q5_0): (32, _X8_ENUM["GG_X8_Q5_0_UNIT"])}
+REPACK_TYPES = frozenset(_X8_UNITS)
+
+
+def repacked_row_bytes(qtype: int, k: int) -> int:
+    """The bytes of a row of k values in `repack`'s layout."""
+    values, unit = _X8_UNITS[qtype]
+    return k // values * unit // 8
 
 
 def _layout(qtype: int, weight: torch.Tensor, k: int, repacked: bool = False) -> tuple[int, int]:
@@ -63,7 +70,7 @@ def _layout(qtype: int, weight: torch.Tensor, k: int, repacked: bool = False) ->
         raise ValueError(f"GGUF weight rows hold {weight.shape[1]} bytes; {k} values of type {qtype} take "
                          f"{k // block * size}")
     if repacked and (qtype not in REPACK_TYPES or weight.shape[0] % 8 or not weight.is_contiguous()
-                     or weight.shape[1] != k // 256 * REPACKED_BYTES[qtype]):
+                     or weight.shape[1] != repacked_row_bytes(qtype, k)):
         raise ValueError(f"GGUF type {qtype}: {tuple(weight.shape)} is not a repacked weight of {k} values a row")
     return weight.shape[0], weight.stride(0)
 
@@ -158,7 +165,7 @@ def gguf_dequantize(qtype: int, weight: torch.Tensor, k: int, rows: torch.Tensor
 
 
 def can_repack(qtype: int, weight: torch.Tensor) -> bool:
-    """Whether `repack` takes this weight: a Q4_K / Q6_K tensor of whole groups of 8 rows, on the
+    """Whether `repack` takes this weight: a Q4_K / Q6_K / Q5_0 tensor of whole groups of 8 rows, on the
     CPU, with the kernels built."""
     return qtype in REPACK_TYPES and weight.dim() == 2 and weight.shape[0] % 8 == 0 and _on_kernels(weight)
 
@@ -171,11 +178,11 @@ def repack_pays() -> bool:
 
 def repack(qtype: int, weight: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """W's rows repacked 8 at a time (csrc/gguf_x8.c), for `gguf_linear(..., repacked=True)`:
-    a contiguous uint8 tensor [n, k / 256 * REPACKED_BYTES[qtype]] (into `out` where given)."""
+    a contiguous uint8 tensor [n, repacked_row_bytes(qtype, k)] (into `out` where given)."""
     n, row_bytes = _layout(qtype, weight, k)
     if not can_repack(qtype, weight):
         raise ValueError(f"GGUF type {qtype}, {n} rows: not a weight the kernels repack")
-    shape = (n, k // 256 * REPACKED_BYTES[qtype])
+    shape = (n, repacked_row_bytes(qtype, k))
     if out is None:
         out = torch.empty(shape, dtype=torch.uint8)
     elif tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():

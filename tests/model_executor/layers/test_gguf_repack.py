@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K weights repacked 8 rows at a time (csrc/gguf_x8.c through gguf_ops.repack): the
+"""Q4_K / Q6_K / Q5_0 weights repacked 8 rows at a time (csrc/gguf_x8.c through gguf_ops.repack): the
 linear over them gives the file layout's results bit for bit at every batch size (the x8 kernels
 for a few rows, panels built from the repacked units for many), with bias, bf16 and column-slice
 outputs, on every instruction-set build this CPU runs (`kernel_isa`; the portable build reads
@@ -19,7 +19,7 @@ from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
 from pagedllm.transformers_utils import page_cache
 from tests.model_executor.layers.test_gguf_ops import _weight
 
-REPACKED = [12, 14]  # Q4_K, Q6_K
+REPACKED = [12, 14, 6]  # Q4_K, Q6_K, Q5_0
 uses_kernels = pytest.mark.usefixtures("kernel_isa")
 
 
@@ -30,13 +30,16 @@ def _needs_kernels() -> None:
 
 @uses_kernels
 @pytest.mark.parametrize("qtype", REPACKED)
-@pytest.mark.parametrize("k", [256, 2304])  # 1 super-block; 9 (the per-unit lanes wrap)
+@pytest.mark.parametrize("k", [256, 2304, 640])  # 1 super-block; 9 (the per-unit lanes wrap); 20 blocks of 32
 def test_repacked_weights_give_the_file_layouts_bits_at_every_batch(qtype, k):
+    if k % 256 and qtype != 6:
+        pytest.skip("K types hold whole super-blocks")
     _needs_kernels()
     n = 56  # 7 groups of 8: the threads' blocks of 16 rows end on a short one
     w = torch.from_numpy(_weight(qtype, n, k, seed=3))
     packed = gguf_ops.repack(qtype, w, k)
-    assert packed.shape == (n, k // 256 * gguf_ops.REPACKED_BYTES[qtype]) and packed.is_contiguous()
+    assert packed.shape == (n, gguf_ops.repacked_row_bytes(qtype, k)) and packed.is_contiguous()
+    assert packed.shape[1] == (w.shape[1] if qtype != 14 else k // 256 * 216)  # Q6_K's units padded
     x = torch.randn(263, k, generator=torch.Generator().manual_seed(4))
     for m in (1, 2, 3, 4, 5, 7, 8, 11, 64, 263):  # rows a few at a time; panels from m = 8
         for dtype in (torch.float32, torch.bfloat16):
@@ -66,7 +69,7 @@ def test_q6k_units_are_padded_to_cache_lines_with_zeros():
     _needs_kernels()
     k, n = 512, 8
     w = torch.from_numpy(_weight(14, n, k))
-    units = gguf_ops.repack(14, w, k).reshape(-1, 8 * gguf_ops.REPACKED_BYTES[14])
+    units = gguf_ops.repack(14, w, k).reshape(-1, 8 * gguf_ops.repacked_row_bytes(14, 256))
     assert units.shape == (2, 1728)
     assert not units[:, 8 * 210 :].any()
     assert int(units[:, : 8 * 210].sum()) == int(w.sum())  # every byte of the blocks, moved
@@ -104,13 +107,13 @@ class _Tensor:
         return self._blocks
 
 
-def test_a_layer_repacks_its_q4k_and_q6k_segments_only(tmp_path):
+def test_a_layer_repacks_its_q4k_q6k_and_q50_segments_only(tmp_path):
     _needs_kernels()
     if not gguf_ops.repack_pays():
         pytest.skip("the portable build keeps the file's layout")
     k = 512
-    layer = GGUFLinear(k, 16 + 16 + 8, torch.float32)
-    raw = {12: _weight(12, 16, k, 1), 14: _weight(14, 16, k, 2), 8: _weight(8, 8, k, 3)}  # Q4_K, Q6_K, Q8_0
+    layer = GGUFLinear(k, 16 + 16 + 8 + 8, torch.float32)
+    raw = {12: _weight(12, 16, k, 1), 14: _weight(14, 16, k, 2), 8: _weight(8, 8, k, 3), 6: _weight(6, 8, k, 4)}
     path = tmp_path / "blocks.bin"  # the file's pages, as a GGUF's memory map holds them
     offsets, at = {}, 0
     with open(path, "wb") as f:
@@ -119,7 +122,7 @@ def test_a_layer_repacks_its_q4k_and_q6k_segments_only(tmp_path):
             f.write(blocks.tobytes())
             at += blocks.nbytes
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    for offset, qtype in ((0, 12), (16, 14), (32, 8)):
+    for offset, qtype in ((0, 12), (16, 14), (32, 8), (40, 6)):  # Q4_K, Q6_K, Q8_0, Q5_0
         rows = raw[qtype].shape[0]
         view = mm[offsets[qtype] : offsets[qtype] + raw[qtype].nbytes].reshape(rows, -1)
         layer.add(offset, _Tensor(f"t{qtype}", qtype, _read_only(view), k))
@@ -129,8 +132,8 @@ def test_a_layer_repacks_its_q4k_and_q6k_segments_only(tmp_path):
     def alloc(shape):  # the loader's arena hands out slices of one mapping; plain tensors do here
         return torch.zeros(shape, dtype=torch.uint8)
 
-    assert layer.repack(alloc) == 16 * 2 * 144 + 16 * 2 * 216
-    assert [s.repacked for s in layer.segments] == [True, True, False]
+    assert layer.repack(alloc) == 16 * 2 * 144 + 16 * 2 * 216 + 8 * 16 * 22
+    assert [s.repacked for s in layer.segments] == [True, True, False, True]
     assert torch.equal(layer(x), want)
     assert layer.repack(alloc) == 0  # once
     with pytest.raises(ValueError, match="embedding"):
