@@ -549,7 +549,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     int64_t pass = GG_ACT_BYTES / a.kq / GG_TILE * GG_TILE;
     if (pass < GG_TILE) pass = GG_TILE;
     int64_t wblocks = (n + GG_WEIGHT_BLOCK - 1) / GG_WEIGHT_BLOCK;
-    int panels = GG_PANELS && m >= GG_PANEL_ROWS;
+    int panels = GG_PANELS && m >= (x8 ? GG_X8_PANEL_ROWS : GG_PANEL_ROWS);
     /* One parallel region for the call (on a shared machine every fork and join waits for
      * whichever thread another process holds): the activations quantized (a few rows, before
      * it), one barrier, then a pass over W per block of activation rows, with no barrier

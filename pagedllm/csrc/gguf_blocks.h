@@ -80,6 +80,7 @@ typedef struct {
 
 #define GG_TILE 4              /* activation rows a kernel call takes at once */
 #define GG_PANEL_ROWS 8        /* activation rows from which a call takes the panel path (where built) */
+#define GG_X8_PANEL_ROWS 16    /* the same for a repacked weight (its x8 kernels run 4 rows a pass faster up to it) */
 #define GG_PREFETCH_BYTES 2048 /* how far ahead of the group in hand a weight row is prefetched */
 #define GG_OFFSET(type) ((type) == GG_Q4_0 ? 8 : (type) == GG_Q5_0 ? 16 : 0) /* the quants' offset */
 #define GG_HAS_MIN(type) ((type) == GG_Q4_1 || (type) == GG_Q5_1 || (type) == GG_Q4_K || (type) == GG_Q5_K)

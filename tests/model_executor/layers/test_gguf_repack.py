@@ -41,7 +41,7 @@ def test_repacked_weights_give_the_file_layouts_bits_at_every_batch(qtype, k):
     assert packed.shape == (n, gguf_ops.repacked_row_bytes(qtype, k)) and packed.is_contiguous()
     assert packed.shape[1] == (w.shape[1] if qtype != 14 else k // 256 * 216)  # Q6_K's units padded
     x = torch.randn(263, k, generator=torch.Generator().manual_seed(4))
-    for m in (1, 2, 3, 4, 5, 7, 8, 11, 64, 263):  # rows a few at a time; panels from m = 8
+    for m in (1, 2, 3, 4, 5, 7, 8, 11, 15, 16, 64, 263):  # x8 kernels 4 rows at a time; panels from m = 16
         for dtype in (torch.float32, torch.bfloat16):
             xm = x[:m].to(dtype)
             bias = torch.randn(n, generator=torch.Generator().manual_seed(m)).to(dtype)
