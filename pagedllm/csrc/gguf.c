@@ -28,7 +28,8 @@
  *
  * Two ways through W. For a few activation rows, threads take blocks of 16 weight rows (one
  * sequential stream each), each weight row decoded once per 4 activation rows (gg_row); rows go
- * in passes that fit L2. From GG_PANEL_ROWS activation rows on, threads take panels of 8 weight
+ * in passes that fit L2. From GG_PANEL_ROWS activation rows on (GG_X8_PANEL_ROWS for a repacked
+ * weight, whose x8 kernels keep up longer), threads take panels of 8 weight
  * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
  * meets (gg_panel_tile, gguf_panel.c): a decoded step serves 8 outputs, no horizontal sums.
  * A Q4_K / Q6_K / Q5_0 weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8)
