@@ -248,17 +248,25 @@ INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_ac
         for (int j = 0; j < 8; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *u = grp + b * GG_X8_Q5_0_UNIT;
-        __m256i I[GG_TILE];
-        for (int r = 0; r < M; r++) I[r] = _mm256_setzero_si256();
+        for (int off = 0; off < GG_X8_Q5_0_UNIT; off += 64) /* as gg_legacy_group: the stream alone lags */
+            _mm_prefetch((const char *)u + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
+        /* C independent sums a row (4 for one row, 2 for two): one chain of 8 dependent vpdpbusd
+         * would bound a unit at ~40 cycles */
+        const int C = M >= 3 ? 1 : 4 / M;
+        __m256i I[GG_TILE][4];
+        for (int r = 0; r < M; r++)
+            for (int c = 0; c < C; c++) I[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m256i q = gg_x8_step(GG_Q5_0, u, 0, j);
-            for (int r = 0; r < M; r++) I[r] = GG_DPBUSD(I[r], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
+            for (int r = 0; r < M; r++)
+                I[r][j % C] = GG_DPBUSD(I[r][j % C], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
         }
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
         for (int r = 0; r < M; r++) {
             const int64_t at = (r0 + r) * a->nb8 + b;
-            __m256i Io = _mm256_sub_epi32(I[r], _mm256_set1_epi32(16 * (int32_t)a->b32[at]));
+            for (int c = 1; c < C; c++) I[r][0] = _mm256_add_epi32(I[r][0], I[r][c]);
+            __m256i Io = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(16 * (int32_t)a->b32[at]));
             __m256 *A = &acc[r][b % 8];
             *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Io), _mm256_mul_ps(D, _mm256_set1_ps(a->d[at])), *A);
         }
