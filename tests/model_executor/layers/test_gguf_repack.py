@@ -29,11 +29,9 @@ def _needs_kernels() -> None:
 
 
 @uses_kernels
-@pytest.mark.parametrize("qtype", REPACKED)
-@pytest.mark.parametrize("k", [256, 2304, 640])  # 1 super-block; 9 (the per-unit lanes wrap); 20 blocks of 32
+# k: 1 super-block; 9 (the per-unit lanes wrap); Q5_0 also 20 blocks of 32 (a short last group)
+@pytest.mark.parametrize("qtype,k", [(q, k) for q in REPACKED for k in (256, 2304)] + [(6, 640)])
 def test_repacked_weights_give_the_file_layouts_bits_at_every_batch(qtype, k):
-    if k % 256 and qtype != 6:
-        pytest.skip("K types hold whole super-blocks")
     _needs_kernels()
     n = 56  # 7 groups of 8: the threads' blocks of 16 rows end on a short one
     w = torch.from_numpy(_weight(qtype, n, k, seed=3))
