@@ -3,10 +3,12 @@ pagedllm's int8 weight-only GEMV (`cpu_kernels.w8a16_linear`) on the same shapes
 
 At one row a linear is bound by memory bandwidth, so the figure that matters is GB/s of weight
 bytes streamed; each call takes the next of several copies of the weight, together well past
-the L3, so the weight comes from memory as in a real forward pass. At 64 rows the arithmetic
-sets the time (ms per call).
+the L3, so the weight comes from memory as in a real forward pass (`--in-cache`: one copy, over
+and over). At 64 rows the arithmetic sets the time (ms per call). `--repacked` also times the
+types the loader repacks 8 rows at a time (csrc/gguf_x8.c) in that layout ("Q5_0 x8").
 
-    python benchmarks/bench_gguf_kernels.py [--rows 1,8,64] [--types Q4_K,Q6_K,Q8_0,Q5_0] [--threads N] [--no-head]
+    python benchmarks/bench_gguf_kernels.py [--rows 1,8,64] [--types Q4_K,Q6_K,Q8_0,Q5_0] [--shape 4096x4096]
+        [--repacked] [--in-cache] [--threads N] [--no-head]
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def time_cycling(fn: Callable[[int], object], copies: int, reps: int) -> tuple[f
     return times[len(times) // 2], times[0]
 
 
-def bench_shape(name: str, n: int, k: int, types: list[str], rows: list[int], reps: int) -> None:
+def bench_shape(name: str, n: int, k: int, types: list[str], rows: list[int], reps: int, repacked: bool = False,
+                in_cache: bool = False) -> None:
     torch.manual_seed(0)
     print(f"\n{name}: {n} x {k}, {torch.get_num_threads()} threads")
-    print(f"{'format':>8} {'rows':>5} {'MB':>8} {'us/call':>10} {'GB/s':>7} {'best us':>10} {'best GB/s':>9}")
+    print(f"{'format':>9} {'rows':>5} {'MB':>8} {'us/call':>10} {'GB/s':>7} {'best us':>10} {'best GB/s':>9}")
     w = torch.randn(min(n, 16384), k) * 0.02
     q8, s8 = quantize_int8(w)
     if n > q8.shape[0]:  # the LM head: the int8 rows repeated (values do not change the timing)
@@ -68,16 +71,21 @@ def bench_shape(name: str, n: int, k: int, types: list[str], rows: list[int], re
     for t in types:
         qtype = int(gguf.GGMLQuantizationType[t])
         first = random_weight(qtype, n, k)
-        copies = [first] + [first.clone() for _ in range(max(0, STREAM_BYTES // first.numel()))]
+        copies = [first] + [first.clone() for _ in range(0 if in_cache else STREAM_BYTES // first.numel())]
         formats.append((t, first.numel(), lambda x, wt, q=qtype: gguf_ops.gguf_linear(x, q, wt, k), copies))
-    copies8 = [q8] + [q8.clone() for _ in range(max(0, STREAM_BYTES // q8.numel()))]
+        if repacked and gguf_ops.can_repack(qtype, first):
+            def run_x8(x, wt, q=qtype):
+                return gguf_ops.gguf_linear(x, q, wt, k, repacked=True)
+
+            formats.append((f"{t} x8", first.numel(), run_x8, [gguf_ops.repack(qtype, c, k) for c in copies]))
+    copies8 = [q8] + [q8.clone() for _ in range(0 if in_cache else STREAM_BYTES // q8.numel())]
     formats.append(("int8", q8.numel() + 2 * n, lambda x, wt: cpu_kernels.w8a16_linear(x, wt, s8, None), copies8))
     for m in rows:
         x = torch.randn(m, k)
         for label, nbytes, fn, copies in formats:
             med, best = time_cycling(lambda i, fn=fn, copies=copies, x=x: fn(x, copies[i]), len(copies),
                                      reps if m * n * k < 2**31 else max(3, reps // 10))
-            print(f"{label:>8} {m:>5} {nbytes / 1e6:>8.1f} {med * 1e6:>10.0f} {nbytes / med / 1e9:>7.1f} "
+            print(f"{label:>9} {m:>5} {nbytes / 1e6:>8.1f} {med * 1e6:>10.0f} {nbytes / med / 1e9:>7.1f} "
                   f"{best * 1e6:>10.0f} {nbytes / best / 1e9:>9.1f}")
 
 
@@ -88,6 +96,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=0, help="torch's thread count (default: as set)")
     parser.add_argument("--no-head", action="store_true", help="skip the LM head shapes")
+    parser.add_argument("--shape", default="x".join(map(str, SHAPE)), help="the decoder weight, N x K")
+    parser.add_argument("--repacked", action="store_true", help="also the repacked layout, where a type has one")
+    parser.add_argument("--in-cache", action="store_true", help="one copy of each weight: in cache after the first")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,10 +106,11 @@ def main() -> None:
         raise SystemExit("pagedllm's C kernels are not built here (no gcc, or PAGEDLLM_CPU_KERNELS=0)")
     print(f"kernels: {cpu_kernels.describe(cpu_kernels.loaded_isa())}")
     rows = [int(r) for r in args.rows.split(",")]
-    bench_shape("decoder", *SHAPE, args.types.split(","), rows, args.reps)
+    n, k = (int(v) for v in args.shape.split("x"))
+    bench_shape("decoder", n, k, args.types.split(","), rows, args.reps, args.repacked, args.in_cache)
     if not args.no_head:
         for qtype, (n, k) in LM_HEAD.items():
-            bench_shape("LM head", n, k, [qtype], rows, args.reps)
+            bench_shape("LM head", n, k, [qtype], rows, args.reps, args.repacked, args.in_cache)
 
 
 if __name__ == "__main__":
