@@ -65,7 +65,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # mapping is advised for 2 MiB pages, and a file cached in 4 KiB pages is read in again
     # (transformers_utils/page_cache.py).
     "PAGEDLLM_HUGE_PAGE_WEIGHTS": _on_unless_zero("PAGEDLLM_HUGE_PAGE_WEIGHTS"),
-    # "0": GGUF Q4_K / Q6_K / Q5_0 linears run from the file's own layout instead of repacked 8 rows at a
+    # "0": GGUF Q4_K / Q6_K / Q5_0 / Q4_0 linears run from the file's own layout instead of repacked 8 rows at a
     # time at load (model_executor/layers/gguf_linear.py, csrc/gguf_x8.c); for comparisons.
     "PAGEDLLM_GGUF_REPACK": _on_unless_zero("PAGEDLLM_GGUF_REPACK"),
     # "0": pagedllm leaves its logger unconfigured (an application sets the handlers).

@@ -32,7 +32,7 @@
  * weight, whose x8 kernels keep up longer), threads take panels of 8 weight
  * rows, decoded once into bytes interleaved 4 values a row, which every activation row then
  * meets (gg_panel_tile, gguf_panel.c): a decoded step serves 8 outputs, no horizontal sums.
- * A Q4_K / Q6_K / Q5_0 weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8)
+ * A Q4_K / Q6_K / Q5_0 / Q4_0 weight repacked at load 8 rows side by side (gguf_x8.c; type | GG_X8)
  * takes the x8 kernels for a few rows and panels built straight from its units for many.
  *
  * Batch independence: both ways take the same float operations, in the same order, for every
@@ -532,7 +532,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     const int x8 = (type & GG_X8) != 0;
     type &= ~GG_X8;
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
-    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0) || n % 8)) return;
+    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0 && type != GG_Q4_0) || n % 8)) return;
     if (type == GG_F32 || type == GG_F16 || type == GG_BF16) {
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;

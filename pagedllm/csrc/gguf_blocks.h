@@ -9,7 +9,7 @@
 enum {
     GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8,
     GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30,
-    GG_X8 = 256, /* a flag on Q4_K / Q6_K / Q5_0: the weight repacked 8 rows at a time (gguf_x8.c) */
+    GG_X8 = 256, /* a flag on Q4_K / Q6_K / Q5_0 / Q4_0: the weight repacked 8 rows at a time (gguf_x8.c) */
 };
 
 /* values per block: 32 (legacy), 256 (K super-blocks), 1 (float types), 0 (not supported) */
@@ -92,23 +92,28 @@ typedef struct {
     ((type) == GG_Q4_K ? 144 : (type) == GG_Q5_K ? 176 : (type) == GG_Q6_K ? 210 : 8 * GG_BYTES32(type))
 
 /* ---------- the repacked layout (gguf_x8.c): where each byte of a row's block goes ---------- */
-/* A unit's bytes: 8 rows' blocks (a K super-block, or Q5_0's block of 32), Q6_K's padded to whole
- * cache lines (8 x 210 = 1680 would put most of its 32-byte loads across two lines) */
-enum { GG_X8_Q4_K_UNIT = 1152, GG_X8_Q6_K_UNIT = 1728, GG_X8_Q5_0_UNIT = 176 };
-#define GG_X8_UNIT(type) \
-    ((type) == GG_Q4_K ? GG_X8_Q4_K_UNIT : (type) == GG_Q6_K ? GG_X8_Q6_K_UNIT : GG_X8_Q5_0_UNIT)
-#define GG_X8_BLOCK_BYTES(type) ((type) == GG_Q5_0 ? 22 : GG_GROUP_BYTES(type)) /* a row's block in a unit */
-#define GG_X8_UNITS(type, nblk) ((type) == GG_Q5_0 ? (nblk) : (nblk) / 8)     /* units a row of nblk x 32 */
+/* A unit's bytes: 8 rows' blocks (a K super-block, or a legacy block of 32), Q6_K's padded to
+ * whole cache lines (8 x 210 = 1680 would put most of its 32-byte loads across two lines) */
+enum { GG_X8_Q4_K_UNIT = 1152, GG_X8_Q6_K_UNIT = 1728, GG_X8_Q5_0_UNIT = 176, GG_X8_Q4_0_UNIT = 144 };
+#define GG_X8_UNIT(type)                                                          \
+    ((type) == GG_Q4_K ? GG_X8_Q4_K_UNIT : (type) == GG_Q6_K ? GG_X8_Q6_K_UNIT \
+     : (type) == GG_Q5_0 ? GG_X8_Q5_0_UNIT : GG_X8_Q4_0_UNIT)
+/* a row's block in a unit, and the units of a row of nblk blocks of 32 */
+#define GG_X8_BLOCK_BYTES(type) (GG_KQUANT(type) ? GG_GROUP_BYTES(type) : GG_BYTES32(type))
+#define GG_X8_UNITS(type, nblk) (GG_KQUANT(type) ? (nblk) / 8 : (nblk))
 /* One piece of a block: `len` bytes at `src` of row r's block, at `dst` of the unit */
 typedef struct {
     int16_t src, dst, len;
 } gg_piece;
 
 /* The pieces of row r's block in a repacked unit (the layout: gguf_x8.c): up to 1 + 3 + 32 (Q4_K),
- * 1 + 16 + 32 + 16 (Q6_K) or 1 + 1 + 4 (Q5_0) */
+ * 1 + 16 + 32 + 16 (Q6_K), 1 + 1 + 4 (Q5_0) or 1 + 4 (Q4_0) */
 INLINE int gg_x8_pieces(int type, int r, gg_piece *p) {
     int n = 0;
-    if (type == GG_Q5_0) {
+    if (type == GG_Q4_0) {
+        p[n++] = (gg_piece){0, (int16_t)(2 * r), 2};
+        for (int c = 0; c < 4; c++) p[n++] = (gg_piece){(int16_t)(2 + 4 * c), (int16_t)(16 + 32 * c + 4 * r), 4};
+    } else if (type == GG_Q5_0) {
         p[n++] = (gg_piece){0, (int16_t)(2 * r), 2};
         p[n++] = (gg_piece){2, (int16_t)(16 + 4 * r), 4};
         for (int c = 0; c < 4; c++) p[n++] = (gg_piece){(int16_t)(6 + 4 * c), (int16_t)(48 + 32 * c + 4 * r), 4};
@@ -278,10 +283,14 @@ INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
 }
 
 /* Step (sub-block b, quad j) of a repacked Q4_K / Q6_K unit: values 4j .. 4j + 3 of sub-block b
- * of rows 0-7, 4 bytes a row (what gg_quants gives a row at a time); Q5_0's unit is one block (b
- * = 0) */
+ * of rows 0-7, 4 bytes a row (what gg_quants gives a row at a time); a Q5_0 / Q4_0 unit is one
+ * block (b = 0) */
 INLINE __m256i gg_x8_step(const int type, const uint8_t *unit, int b, int j) {
     const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == GG_Q4_0) { /* quad j % 4 of qs: low nibbles for j < 4 */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 16 + 32 * (j % 4)));
+        return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), m4);
+    }
     if (type == GG_Q5_0) { /* nibbles: quad j % 4 of qs, low for j < 4; the fifth bits: 4j .. 4j + 3 of qh */
         __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 48 + 32 * (j % 4)));
         v = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), m4);

@@ -91,11 +91,13 @@ static void gg_panel_build(const int type, const uint8_t *w, int64_t row_bytes, 
 }
 
 /* A repacked group of 8 rows (gguf_x8.c) into the panel: its quants are already the panel's
- * steps, 4 bits a value; the scales are read back a row at a time. Q5_0's units are blocks, 8 to
- * a panel group (a short last group's missing blocks: zero steps, as gg_panel_build leaves them). */
+ * steps, 4 bytes a row; the scales are read back a row at a time. Q5_0's and Q4_0's units are
+ * blocks, 8 to a panel group (a short last group's missing blocks: zero steps, as gg_panel_build
+ * leaves them). */
 static void gg_panel_build_x8(const int type, const uint8_t *grp8, int64_t nblk, uint8_t *panel) {
     const int64_t ubytes = GG_X8_UNIT(type);
-    if (type == GG_Q5_0) {
+    if (!GG_KQUANT(type)) {
+        const int64_t bytes32 = GG_BYTES32(type);
         for (int64_t g = 0; g < (nblk + 7) / 8; g++) {
             uint8_t *slot = panel + g * GG_SLOT, blk[8 * 22];
             const int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
@@ -104,7 +106,7 @@ static void gg_panel_build_x8(const int type, const uint8_t *grp8, int64_t nblk,
                     _mm256_store_si256((__m256i *)(slot + 256 * b + 32 * j),
                                        b < nb ? gg_x8_step(type, grp8 + (8 * g + b) * ubytes, 0, j) : _mm256_setzero_si256());
             for (int c = 0; c < GG_NR; c++) {
-                for (int b = 0; b < nb; b++) memcpy(blk + 22 * b, grp8 + (8 * g + b) * ubytes + 2 * c, 2);
+                for (int b = 0; b < nb; b++) memcpy(blk + bytes32 * b, grp8 + (8 * g + b) * ubytes + 2 * c, 2);
                 gg_panel_scales(type, blk, c, nb, slot);
             }
         }

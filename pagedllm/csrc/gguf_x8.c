@@ -1,4 +1,4 @@
-/* Q4_K, Q6_K and Q5_0 weights repacked 8 rows at a time (the "x8" layout), for decode's few
+/* Q4_K, Q6_K, Q5_0 and Q4_0 weights repacked 8 rows at a time (the "x8" layout), for decode's few
  * activation rows. A row-at-a-time kernel spends most of its instructions on one row's scales
  * and sums (~90 per 256 values); with 8 rows side by side each 32-byte load holds 4 quants of
  * every row, one vpdpbusd multiplies them by 4 broadcast activations, and the 8 rows' scales,
@@ -6,9 +6,9 @@
  * weights in L3 on a Zen 4 EPYC: Q4_K 33.6 GB/s against the row kernel's 19.2, Q6_K 37.7
  * against 28.0.
  *
- * A unit is one super-block (Q5_0: one block of 32) of 8 consecutive rows; a row group's units
- * follow each other: the repacked tensor is n rows of units x (unit bytes / 8), the file's size
- * for Q4_K and Q5_0, 2.9% more for Q6_K (its units padded to cache lines).
+ * A unit is one super-block (Q5_0, Q4_0: one block of 32) of 8 consecutive rows; a row group's
+ * units follow each other: the repacked tensor is n rows of units x (unit bytes / 8), the file's
+ * size but for Q6_K's 2.9% more (its units padded to cache lines).
  *   Q4_K unit (1152 bytes): [0, 32) each row's first 4 bytes (d | dmin << 16); [32, 128) the
  *     scale words (block bytes 4-7, 8-11, 12-15) as 8 dwords each; [128, 1152) qs: for chunk p
  *     (0-3) and quad j (0-7), 4 bytes of each row, qs[32 p + 4 j ..] (32 bytes).
@@ -19,6 +19,7 @@
  *   Q5_0 unit (176 bytes): [0, 16) each row's d; [16, 48) each row's qh; [48, 176) for quad c
  *     (0-3) each row's qs[4 c ..] (32 bytes): its low nibbles are values 4c .., its high ones
  *     16 + 4c .., and qh's bits the fifth bits of both.
+ *   Q4_0 unit (144 bytes): [0, 16) each row's d; [16, 144) Q5_0's qs layout.
  * The integer sums and the float operations per (row, super-block) are gg_row's (gguf.c), in the
  * same order, so a repacked weight gives the file layout's results bit for bit, whatever the
  * batch. The panels (many rows, gguf_panel.c) are built from the units; the portable build,
@@ -76,7 +77,7 @@ static void gg_x8_pack(int type, const uint8_t *rows, int64_t row_bytes, int64_t
 #endif
 
 void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out, int nthreads) {
-    if ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0) || n % 8 || k % gg_block_values(type))
+    if ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0 && type != GG_Q4_0) || n % 8 || k % gg_block_values(type))
         return; /* gguf_ops checks */
     const int64_t nsb = GG_X8_UNITS(type, k / 32), out_row = nsb * GG_X8_UNIT(type) / 8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -85,7 +86,7 @@ void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
         for (int64_t g = 0; type == GG_Q6_K && g < nsb; g++) /* the padding */
             memset(x8 + g * GG_X8_Q6_K_UNIT + 8 * 210, 0, GG_X8_Q6_K_UNIT - 8 * 210);
 #if GG_PANELS
-        if (type != GG_Q5_0) {
+        if (GG_KQUANT(type)) {
             gg_x8_pack(type, w + 8 * i * row_bytes, row_bytes, nsb, x8);
             continue;
         }
@@ -239,16 +240,18 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
     for (int r = 0; r < M; r++) out[r] = gg_x8_sum(acc[r]);
 }
 
-/* Q5_0: a unit a block. Block b's exact integer sum less 16 x the activations' block sum, into
- * lane b % 8 as gg_legacy_group adds it (float(sum) x (d x activation scale)). */
-INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_act *act, int64_t r0, __m256 *out) {
+/* Q5_0 / Q4_0: a unit a block. Block b's exact integer sum less the offset (16 / 8) x the
+ * activations' block sum, into lane b % 8 as gg_legacy_group adds it (float(sum) x (d x
+ * activation scale)). */
+INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_t nblk, const gg_act *act, int64_t r0,
+                         __m256 *out) {
     const gg_act local = *act, *a = &local;
     __m256 acc[GG_TILE][8];
     for (int r = 0; r < M; r++)
         for (int j = 0; j < 8; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
-        const uint8_t *u = grp + b * GG_X8_Q5_0_UNIT;
-        for (int off = 0; off < GG_X8_Q5_0_UNIT; off += 64) /* as gg_legacy_group: the stream alone lags */
+        const uint8_t *u = grp + b * GG_X8_UNIT(type);
+        for (int off = 0; off < GG_X8_UNIT(type); off += 64) /* as gg_legacy_group: the stream alone lags */
             _mm_prefetch((const char *)u + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
         /* C independent sums a row (4 for one row, 2 for two): one chain of 8 dependent vpdpbusd
          * would bound a unit at ~40 cycles */
@@ -258,7 +261,7 @@ INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_ac
             for (int c = 0; c < C; c++) I[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            __m256i q = gg_x8_step(GG_Q5_0, u, 0, j);
+            __m256i q = gg_x8_step(type, u, 0, j);
             for (int r = 0; r < M; r++)
                 I[r][j % C] = GG_DPBUSD(I[r][j % C], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
         }
@@ -266,7 +269,7 @@ INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_ac
         for (int r = 0; r < M; r++) {
             const int64_t at = (r0 + r) * a->nb8 + b;
             for (int c = 1; c < C; c++) I[r][0] = _mm256_add_epi32(I[r][0], I[r][c]);
-            __m256i Io = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(16 * (int32_t)a->b32[at]));
+            __m256i Io = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(GG_OFFSET(type) * (int32_t)a->b32[at]));
             __m256 *A = &acc[r][b % 8];
             *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Io), _mm256_mul_ps(D, _mm256_set1_ps(a->d[at])), *A);
         }
@@ -286,18 +289,27 @@ GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 1)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 2)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 3)
 GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 4)
-GG_X8_FN(gg_x8_q50, gg_x8_q50, 1)
-GG_X8_FN(gg_x8_q50, gg_x8_q50, 2)
-GG_X8_FN(gg_x8_q50, gg_x8_q50, 3)
-GG_X8_FN(gg_x8_q50, gg_x8_q50, 4)
+#define GG_X8_LEGACY_FN(name, T, M)                                                                           \
+    static void name##_##M(const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, __m256 *out) {      \
+        gg_x8_legacy(T, M, grp, nsb, a, r0, out);                                                             \
+    }
+GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 1)
+GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 2)
+GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 3)
+GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 4)
+GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 1)
+GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 2)
+GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 3)
+GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 4)
 
 void gg_x8_rows(int type, int M, const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, float *out) {
     typedef void (*fn)(const uint8_t *, int64_t, const gg_act *, int64_t, __m256 *);
     static const fn q4k[GG_TILE] = {gg_x8_q4k_1, gg_x8_q4k_2, gg_x8_q4k_3, gg_x8_q4k_4};
     static const fn q6k[GG_TILE] = {gg_x8_q6k_1, gg_x8_q6k_2, gg_x8_q6k_3, gg_x8_q6k_4};
     static const fn q50[GG_TILE] = {gg_x8_q50_1, gg_x8_q50_2, gg_x8_q50_3, gg_x8_q50_4};
+    static const fn q40[GG_TILE] = {gg_x8_q40_1, gg_x8_q40_2, gg_x8_q40_3, gg_x8_q40_4};
     __m256 o[GG_TILE];
-    (type == GG_Q4_K ? q4k : type == GG_Q6_K ? q6k : q50)[M - 1](grp, nsb, a, r0, o);
+    (type == GG_Q4_K ? q4k : type == GG_Q6_K ? q6k : type == GG_Q5_0 ? q50 : q40)[M - 1](grp, nsb, a, r0, o);
     for (int r = 0; r < M; r++) _mm256_storeu_ps(out + 8 * r, o[r]);
 }
 #endif

@@ -40,8 +40,8 @@ void pl_i8_row_sums(const int8_t *w, int64_t n, int64_t k, int32_t *out, int nth
 /* gguf.c: a GGUF tensor's rows to floats, and the linear over its blocks (type: ggml's type id) */
 void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const int64_t *rows, int64_t count,
                         void *out, int out_bf16, int64_t ldo, int nthreads);
-/* gguf_x8.c: n (a multiple of 8) Q4_K / Q6_K / Q5_0 rows repacked 8 at a time (type | GG_X8 for
- * the linear); out: n rows of units (k / 256 super-blocks, Q5_0's k / 32 blocks), contiguous */
+/* gguf_x8.c: n (a multiple of 8) Q4_K / Q6_K / Q5_0 / Q4_0 rows repacked 8 at a time (type | GG_X8
+ * for the linear); out: n rows of units (k / 256 super-blocks, k / 32 legacy blocks), contiguous */
 void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out, int nthreads);
 void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t m, const void *bias, void *y, int y_bf16, int64_t ldy, int nthreads);

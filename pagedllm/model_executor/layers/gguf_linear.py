@@ -129,7 +129,7 @@ class GGUFLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def repackable(self) -> list[tuple[GGUFSegment, tuple[int, int]]]:
-        """The segments `repack` takes, with their repacked shapes: Q4_K / Q6_K / Q5_0 in whole
+        """The segments `repack` takes, with their repacked shapes: Q4_K / Q6_K / Q5_0 / Q4_0 in whole
         groups of 8 rows, where the kernels run them with SIMD."""
         if not gguf_ops.repack_pays():
             return []

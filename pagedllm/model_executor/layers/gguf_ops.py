@@ -44,7 +44,7 @@ _FLOAT = (torch.float32, torch.bfloat16)  # the activation and output dtypes the
 _X8_ENUM = cpu_kernels.c_enum("gguf_blocks.h", "GG_X8")
 _X8 = _X8_ENUM["GG_X8"]
 _X8_UNITS = {int(_T.Q4_K): (256, _X8_ENUM["GG_X8_Q4_K_UNIT"]), int(_T.Q6_K): (256, _X8_ENUM["GG_X8_Q6_K_UNIT"]),
-             int(_T.Q5_0): (32, _X8_ENUM["GG_X8_Q5_0_UNIT"])}
+             int(_T.Q5_0): (32, _X8_ENUM["GG_X8_Q5_0_UNIT"]), int(_T.Q4_0): (32, _X8_ENUM["GG_X8_Q4_0_UNIT"])}
 REPACK_TYPES = frozenset(_X8_UNITS)
 
 
@@ -165,8 +165,8 @@ def gguf_dequantize(qtype: int, weight: torch.Tensor, k: int, rows: torch.Tensor
 
 
 def can_repack(qtype: int, weight: torch.Tensor) -> bool:
-    """Whether `repack` takes this weight: a Q4_K / Q6_K / Q5_0 tensor of whole groups of 8 rows, on the
-    CPU, with the kernels built."""
+    """Whether `repack` takes this weight: a Q4_K / Q6_K / Q5_0 / Q4_0 tensor of whole groups of 8
+    rows, on the CPU, with the kernels built."""
     return qtype in REPACK_TYPES and weight.dim() == 2 and weight.shape[0] % 8 == 0 and _on_kernels(weight)
 
 

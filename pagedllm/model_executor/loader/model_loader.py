@@ -82,7 +82,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:
     """After loading the file's blocks: a tied LM head multiplies by the embedding's blocks, the
     float weights the layers were built with (never written, so never paged in) go, and on the
-    CPU the linears' Q4_K / Q6_K / Q5_0 blocks are repacked for decode (`GGUFLinear.repack`; not the
+    CPU the linears' Q4_K / Q6_K / Q5_0 / Q4_0 blocks are repacked for decode (`GGUFLinear.repack`; not the
     embedding and head, which are also read a row at a time)."""
     linears = []
     for name, module in model.named_modules():
@@ -106,7 +106,7 @@ def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.devi
 
 
 def _repack(linears: list[GGUFLinear]) -> None:
-    """The linears' Q4_K / Q6_K / Q5_0 segments repacked into one huge-page arena (a mapping per tensor
+    """The linears' Q4_K / Q6_K / Q5_0 / Q4_0 segments repacked into one huge-page arena (a mapping per tensor
     would leave up to a 2 MiB page's tail resident and unused for each of hundreds of them)."""
     start = time.perf_counter()
     sizes = [-(-rows * cols // 64) * 64 for gguf in linears for _, (rows, cols) in gguf.repackable()]
@@ -121,7 +121,7 @@ def _repack(linears: list[GGUFLinear]) -> None:
         return out
 
     repacked = sum(gguf.repack(alloc) for gguf in linears)
-    logger.info("GGUF: %.2f GB of Q4_K / Q6_K / Q5_0 weights repacked for decode in %.1f s", repacked / 1e9,
+    logger.info("GGUF: %.2f GB of Q4_K / Q6_K / Q5_0 / Q4_0 weights repacked for decode in %.1f s", repacked / 1e9,
                 time.perf_counter() - start)
 
 

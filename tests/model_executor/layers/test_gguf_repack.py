@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K / Q5_0 weights repacked 8 rows at a time (csrc/gguf_x8.c through gguf_ops.repack): the
+"""Q4_K / Q6_K / Q5_0 / Q4_0 weights repacked 8 rows at a time (csrc/gguf_x8.c through gguf_ops.repack): the
 linear over them gives the file layout's results bit for bit at every batch size (the x8 kernels
 for a few rows, panels built from the repacked units for many), with bias, bf16 and column-slice
 outputs, on every instruction-set build this CPU runs (`kernel_isa`; the portable build reads
@@ -19,7 +19,7 @@ from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
 from pagedllm.transformers_utils import page_cache
 from tests.model_executor.layers.test_gguf_ops import _weight
 
-REPACKED = [12, 14, 6]  # Q4_K, Q6_K, Q5_0
+REPACKED = [12, 14, 6, 2]  # Q4_K, Q6_K, Q5_0, Q4_0
 uses_kernels = pytest.mark.usefixtures("kernel_isa")
 
 
@@ -29,8 +29,8 @@ def _needs_kernels() -> None:
 
 
 @uses_kernels
-# k: 1 super-block; 9 (the per-unit lanes wrap); Q5_0 also 20 blocks of 32 (a short last group)
-@pytest.mark.parametrize("qtype,k", [(q, k) for q in REPACKED for k in (256, 2304)] + [(6, 640)])
+# k: 1 super-block; 9 (the per-unit lanes wrap); the legacy types also 20 blocks of 32 (a short last group)
+@pytest.mark.parametrize("qtype,k", [(q, k) for q in REPACKED for k in (256, 2304)] + [(6, 640), (2, 640)])
 def test_repacked_weights_give_the_file_layouts_bits_at_every_batch(qtype, k):
     _needs_kernels()
     n = 56  # 7 groups of 8: the threads' blocks of 16 rows end on a short one
@@ -105,13 +105,14 @@ class _Tensor:
         return self._blocks
 
 
-def test_a_layer_repacks_its_q4k_q6k_and_q50_segments_only(tmp_path):
+def test_a_layer_repacks_the_segments_of_the_types_it_has_kernels_for(tmp_path):
     _needs_kernels()
     if not gguf_ops.repack_pays():
         pytest.skip("the portable build keeps the file's layout")
     k = 512
-    layer = GGUFLinear(k, 16 + 16 + 8 + 8, torch.float32)
-    raw = {12: _weight(12, 16, k, 1), 14: _weight(14, 16, k, 2), 8: _weight(8, 8, k, 3), 6: _weight(6, 8, k, 4)}
+    layer = GGUFLinear(k, 16 + 16 + 8 + 8 + 8, torch.float32)
+    raw = {12: _weight(12, 16, k, 1), 14: _weight(14, 16, k, 2), 8: _weight(8, 8, k, 3), 6: _weight(6, 8, k, 4),
+           2: _weight(2, 8, k, 5)}
     path = tmp_path / "blocks.bin"  # the file's pages, as a GGUF's memory map holds them
     offsets, at = {}, 0
     with open(path, "wb") as f:
@@ -120,7 +121,7 @@ def test_a_layer_repacks_its_q4k_q6k_and_q50_segments_only(tmp_path):
             f.write(blocks.tobytes())
             at += blocks.nbytes
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    for offset, qtype in ((0, 12), (16, 14), (32, 8), (40, 6)):  # Q4_K, Q6_K, Q8_0, Q5_0
+    for offset, qtype in ((0, 12), (16, 14), (32, 8), (40, 6), (48, 2)):  # Q4_K, Q6_K, Q8_0, Q5_0, Q4_0
         rows = raw[qtype].shape[0]
         view = mm[offsets[qtype] : offsets[qtype] + raw[qtype].nbytes].reshape(rows, -1)
         layer.add(offset, _Tensor(f"t{qtype}", qtype, _read_only(view), k))
@@ -130,8 +131,8 @@ def test_a_layer_repacks_its_q4k_q6k_and_q50_segments_only(tmp_path):
     def alloc(shape):  # the loader's arena hands out slices of one mapping; plain tensors do here
         return torch.zeros(shape, dtype=torch.uint8)
 
-    assert layer.repack(alloc) == 16 * 2 * 144 + 16 * 2 * 216 + 8 * 16 * 22
-    assert [s.repacked for s in layer.segments] == [True, True, False, True]
+    assert layer.repack(alloc) == 16 * 2 * 144 + 16 * 2 * 216 + 8 * 16 * 22 + 8 * 16 * 18
+    assert [s.repacked for s in layer.segments] == [True, True, False, True, True]
     assert torch.equal(layer(x), want)
     assert layer.repack(alloc) == 0  # once
     with pytest.raises(ValueError, match="embedding"):

@@ -95,11 +95,11 @@ def test_every_type_runs_natively_and_matches_the_dequantized_reference(case, mo
         # 7 projections (as 4 fused layers) a layer, the embedding, the head (Gemma's is the embedding)
         assert len(blocks) == 2 * 4 + 2 - (path.stem == "gemma3")
         assert isinstance(model.lm_head.gguf, GGUFRankedHead)  # batch-1 steps rank on a 4-bit copy
-        # On AVX2 / AVX-512 the layers' Q4_K / Q6_K / Q5_0 blocks run repacked 8 rows at a time; the
+        # On AVX2 / AVX-512 the layers' Q4_K / Q6_K / Q5_0 / Q4_0 blocks run repacked 8 rows at a time; the
         # second start below keeps the file's layout and must decode the same tokens.
         segments = [s for m in linears if isinstance(m.gguf, GGUFLinear) for s in m.gguf.segments]
         repacked = {T(s.qtype) for s in segments if s.repacked}
-        assert repacked == ({T.Q4_K, T.Q6_K, T.Q5_0} if gguf_ops.repack_pays() else set())
+        assert repacked == ({T.Q4_K, T.Q6_K, T.Q5_0, T.Q4_0} if gguf_ops.repack_pays() else set())
         for m in linears:  # no float copy: the layers run the file's blocks
             if hasattr(m, "weight"):
                 assert m.weight.numel() == 0
