@@ -532,7 +532,7 @@ void pl_gguf_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
     const int x8 = (type & GG_X8) != 0;
     type &= ~GG_X8;
     if (m <= 0 || n <= 0 || !gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks */
-    if (x8 && ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0 && type != GG_Q4_0) || n % 8)) return;
+    if (x8 && (!gg_x8_type(type) || n % 8)) return;
     if (type == GG_F32 || type == GG_F16 || type == GG_BF16) {
         gg_float_linear(type, w, row_bytes, n, k, x, x_bf16, m, bias, y, y_bf16, ldy, nthreads);
         return;

@@ -98,6 +98,10 @@ enum { GG_X8_Q4_K_UNIT = 1152, GG_X8_Q6_K_UNIT = 1728, GG_X8_Q5_0_UNIT = 176, GG
 #define GG_X8_UNIT(type)                                                          \
     ((type) == GG_Q4_K ? GG_X8_Q4_K_UNIT : (type) == GG_Q6_K ? GG_X8_Q6_K_UNIT \
      : (type) == GG_Q5_0 ? GG_X8_Q5_0_UNIT : GG_X8_Q4_0_UNIT)
+/* The types with a repacked layout (their kernels: gguf_x8.c) */
+INLINE int gg_x8_type(int type) {
+    return type == GG_Q4_K || type == GG_Q6_K || type == GG_Q5_0 || type == GG_Q4_0;
+}
 /* a row's block in a unit, and the units of a row of nblk blocks of 32 */
 #define GG_X8_BLOCK_BYTES(type) (GG_KQUANT(type) ? GG_GROUP_BYTES(type) : GG_BYTES32(type))
 #define GG_X8_UNITS(type, nblk) (GG_KQUANT(type) ? (nblk) / 8 : (nblk))
@@ -287,13 +291,11 @@ INLINE void gg_transpose8(const __m256i *in, __m256i *out) {
  * block (b = 0) */
 INLINE __m256i gg_x8_step(const int type, const uint8_t *unit, int b, int j) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    if (type == GG_Q4_0) { /* quad j % 4 of qs: low nibbles for j < 4 */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 16 + 32 * (j % 4)));
-        return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), m4);
-    }
-    if (type == GG_Q5_0) { /* nibbles: quad j % 4 of qs, low for j < 4; the fifth bits: 4j .. 4j + 3 of qh */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 48 + 32 * (j % 4)));
+    if (type == GG_Q4_0 || type == GG_Q5_0) { /* nibbles: quad j % 4 of qs, low for j < 4 */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + (type == GG_Q5_0 ? 48 : 16) + 32 * (j % 4)));
         v = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), m4);
+        if (type == GG_Q4_0) return v;
+        /* Q5_0's fifth bits: bits 4j .. 4j + 3 of each row's qh */
         /* byte j / 2 of each row's qh into its 4 bytes; byte s keeps bit 4 (j % 2) + s, as 0x10 */
         const __m256i spread = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0,
                                                                 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),

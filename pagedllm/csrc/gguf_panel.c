@@ -99,7 +99,7 @@ static void gg_panel_build_x8(const int type, const uint8_t *grp8, int64_t nblk,
     if (!GG_KQUANT(type)) {
         const int64_t bytes32 = GG_BYTES32(type);
         for (int64_t g = 0; g < (nblk + 7) / 8; g++) {
-            uint8_t *slot = panel + g * GG_SLOT, blk[8 * 22];
+            uint8_t *slot = panel + g * GG_SLOT, blk[GG_GROUP_BYTES(GG_Q5_0)]; /* the widest legacy group */
             const int nb = nblk - 8 * g < 8 ? (int)(nblk - 8 * g) : 8;
             for (int b = 0; b < 8; b++)
                 for (int j = 0; j < 8; j++)

@@ -77,8 +77,7 @@ static void gg_x8_pack(int type, const uint8_t *rows, int64_t row_bytes, int64_t
 #endif
 
 void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out, int nthreads) {
-    if ((type != GG_Q4_K && type != GG_Q6_K && type != GG_Q5_0 && type != GG_Q4_0) || n % 8 || k % gg_block_values(type))
-        return; /* gguf_ops checks */
+    if (!gg_x8_type(type) || n % 8 || k % gg_block_values(type)) return; /* gguf_ops checks */
     const int64_t nsb = GG_X8_UNITS(type, k / 32), out_row = nsb * GG_X8_UNIT(type) / 8;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n / 8; i++) {
@@ -277,37 +276,30 @@ INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_
     for (int r = 0; r < M; r++) out[r] = gg_x8_sum(acc[r]);
 }
 
-#define GG_X8_FN(name, kern, M)                                                                               \
-    static void name##_##M(const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, __m256 *out) {      \
+INLINE void gg_x8_q50(const int M, const uint8_t *grp, int64_t nblk, const gg_act *a, int64_t r0, __m256 *out) {
+    gg_x8_legacy(GG_Q5_0, M, grp, nblk, a, r0, out);
+}
+
+INLINE void gg_x8_q40(const int M, const uint8_t *grp, int64_t nblk, const gg_act *a, int64_t r0, __m256 *out) {
+    gg_x8_legacy(GG_Q4_0, M, grp, nblk, a, r0, out);
+}
+
+/* Each kernel once per row count (M a constant in each), and the table of the four */
+#define GG_X8_FN(kern, M)                                                                                     \
+    static void kern##_##M(const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, __m256 *out) {      \
         kern(M, grp, nsb, a, r0, out);                                                                        \
     }
-GG_X8_FN(gg_x8_q4k, gg_x8_q4k, 1)
-GG_X8_FN(gg_x8_q4k, gg_x8_q4k, 2)
-GG_X8_FN(gg_x8_q4k, gg_x8_q4k, 3)
-GG_X8_FN(gg_x8_q4k, gg_x8_q4k, 4)
-GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 1)
-GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 2)
-GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 3)
-GG_X8_FN(gg_x8_q6k, gg_x8_q6k, 4)
-#define GG_X8_LEGACY_FN(name, T, M)                                                                           \
-    static void name##_##M(const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, __m256 *out) {      \
-        gg_x8_legacy(T, M, grp, nsb, a, r0, out);                                                             \
-    }
-GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 1)
-GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 2)
-GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 3)
-GG_X8_LEGACY_FN(gg_x8_q50, GG_Q5_0, 4)
-GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 1)
-GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 2)
-GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 3)
-GG_X8_LEGACY_FN(gg_x8_q40, GG_Q4_0, 4)
+#define GG_X8_FNS(kern) GG_X8_FN(kern, 1) GG_X8_FN(kern, 2) GG_X8_FN(kern, 3) GG_X8_FN(kern, 4)
+#define GG_X8_TABLE(kern) {kern##_1, kern##_2, kern##_3, kern##_4}
+GG_X8_FNS(gg_x8_q4k)
+GG_X8_FNS(gg_x8_q6k)
+GG_X8_FNS(gg_x8_q50)
+GG_X8_FNS(gg_x8_q40)
 
 void gg_x8_rows(int type, int M, const uint8_t *grp, int64_t nsb, const gg_act *a, int64_t r0, float *out) {
     typedef void (*fn)(const uint8_t *, int64_t, const gg_act *, int64_t, __m256 *);
-    static const fn q4k[GG_TILE] = {gg_x8_q4k_1, gg_x8_q4k_2, gg_x8_q4k_3, gg_x8_q4k_4};
-    static const fn q6k[GG_TILE] = {gg_x8_q6k_1, gg_x8_q6k_2, gg_x8_q6k_3, gg_x8_q6k_4};
-    static const fn q50[GG_TILE] = {gg_x8_q50_1, gg_x8_q50_2, gg_x8_q50_3, gg_x8_q50_4};
-    static const fn q40[GG_TILE] = {gg_x8_q40_1, gg_x8_q40_2, gg_x8_q40_3, gg_x8_q40_4};
+    static const fn q4k[GG_TILE] = GG_X8_TABLE(gg_x8_q4k), q6k[GG_TILE] = GG_X8_TABLE(gg_x8_q6k),
+                    q50[GG_TILE] = GG_X8_TABLE(gg_x8_q50), q40[GG_TILE] = GG_X8_TABLE(gg_x8_q40);
     __m256 o[GG_TILE];
     (type == GG_Q4_K ? q4k : type == GG_Q6_K ? q6k : type == GG_Q5_0 ? q50 : q40)[M - 1](grp, nsb, a, r0, o);
     for (int r = 0; r < M; r++) _mm256_storeu_ps(out + 8 * r, o[r]);

@@ -18,7 +18,6 @@ import functools
 import json
 import sys
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -281,8 +280,7 @@ def _compile_within(source: str, budget: Budget) -> Any:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from None
     finally:
         sys.settrace(previous_trace)
-    if time.monotonic() > budget.deadline:  # the tracer's error was swallowed somewhere (and tracing unset)
-        raise ChatTemplateError("the chat template took too long to compile")
+    budget.check_time("compile")  # where the tracer's error was swallowed (and tracing unset)
     return template
 
 

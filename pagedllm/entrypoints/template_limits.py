@@ -35,9 +35,9 @@ class Budget:
         self.deadline = time.monotonic() + timeout_s
         self.max_chars = max_chars
 
-    def check_time(self) -> None:
+    def check_time(self, what: str = "render") -> None:
         if time.monotonic() > self.deadline:
-            raise ChatTemplateError("the chat template took too long to render")
+            raise ChatTemplateError(f"the chat template took too long to {what}")
 
     def check_size(self, n: int, what: str = "a value") -> None:
         if n > self.max_chars:
@@ -154,8 +154,8 @@ def compile_tracer(budget: Budget) -> Callable:
     frames are passed over: one resumed by the garbage collector to be closed would swallow the
     error, and Python unsets a trace function that raised."""
     def global_(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS and time.monotonic() > budget.deadline:
-            raise ChatTemplateError("the chat template took too long to compile")
+        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS:
+            budget.check_time("compile")
     return global_
 
 

@@ -39,19 +39,17 @@ SCALE_FIELDS: dict[int, tuple[int, ...]] = {
 
 _FLOAT = (torch.float32, torch.bfloat16)  # the activation and output dtypes the kernels take
 # Weights repacked 8 rows side by side (csrc/gguf_x8.c), for decode's few rows: the flag on the
-# type id that tells the kernels a weight is, and per type the values of a row a unit holds (a
-# K super-block, Q5_0's block) and the unit's bytes (8 rows').
+# type id that tells the kernels a weight is, and per type a unit's bytes: one block (a K
+# super-block, a legacy block of 32) of 8 rows.
 _X8_ENUM = cpu_kernels.c_enum("gguf_blocks.h", "GG_X8")
 _X8 = _X8_ENUM["GG_X8"]
-_X8_UNITS = {int(_T.Q4_K): (256, _X8_ENUM["GG_X8_Q4_K_UNIT"]), int(_T.Q6_K): (256, _X8_ENUM["GG_X8_Q6_K_UNIT"]),
-             int(_T.Q5_0): (32, _X8_ENUM["GG_X8_Q5_0_UNIT"]), int(_T.Q4_0): (32, _X8_ENUM["GG_X8_Q4_0_UNIT"])}
-REPACK_TYPES = frozenset(_X8_UNITS)
+_X8_UNIT_BYTES = {int(t): _X8_ENUM[f"GG_X8_{t.name}_UNIT"] for t in (_T.Q4_K, _T.Q6_K, _T.Q5_0, _T.Q4_0)}
+REPACK_TYPES = frozenset(_X8_UNIT_BYTES)
 
 
 def repacked_row_bytes(qtype: int, k: int) -> int:
     """The bytes of a row of k values in `repack`'s layout."""
-    values, unit = _X8_UNITS[qtype]
-    return k // values * unit // 8
+    return k // GGUF_TYPES[qtype][0] * _X8_UNIT_BYTES[qtype] // 8
 
 
 def _layout(qtype: int, weight: torch.Tensor, k: int, repacked: bool = False) -> tuple[int, int]:
