@@ -1,8 +1,9 @@
 """The Triton paged-attention kernel's achieved memory bandwidth on a decode batch, against the
 device's own copy bandwidth: K/V bytes read per call / time per call. Llama-3.1-8B's attention
 shape (32 query heads, 8 KV heads, head_dim 128, bf16 queries, blocks of 16, shuffled over the
-cache), for each `--kv-cache-dtype` (a byte cache reads its bytes and a float32 scale per 32).
-`python benchmarks/attention_bandwidth.py [--cases 64x4096] [--kv-cache-dtype auto fp8]` (CUDA)."""
+cache), for each `--kv-cache-dtype` (a byte cache reads its bytes and a float32 scale per 32) and
+each split-KV count (`--kv-splits`; 0: the kernel's own choice, 1: no split).
+`python benchmarks/attention_bandwidth.py [--cases 64x4096] [--kv-cache-dtype auto fp8] [--kv-splits 0 1 4]` (CUDA)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,38 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
-def _time_ms(fn, iters: int = 20) -> float:
+def _time_ms(fn, iters: int = 20, graph: bool = False) -> float:
+    """Milliseconds per call. `graph`: the calls replayed from one CUDA graph, as a decode step
+    runs them (the time of the kernels, without Python's launch overhead)."""
     for _ in range(3):
         fn()
+    run = fn
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    if graph:
+        for _ in range(5):
+            run()
+    else:
+        for _ in range(iters):
+            run()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return start.elapsed_time(end) / (5 * iters if graph else iters)
 
 
-def measure(batch: int, context: int, kv: str = "auto", num_heads=32, num_kv_heads=8, head_dim=128,
-            block_size=16) -> dict:
+def measure(batch: int, context: int, kv: str = "auto", splits: int = 0, num_heads=32, num_kv_heads=8,
+            head_dim=128, block_size=16) -> dict:
     from pagedllm.model_executor.layers import kv_quant
-    from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
+    from pagedllm.model_executor.layers.triton_ops.paged_attention import block_q_for, unified_attention
+    from pagedllm.model_executor.layers.triton_ops.split_kv import num_kv_splits
 
     device = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -54,17 +70,20 @@ def measure(batch: int, context: int, kv: str = "auto", num_heads=32, num_kv_hea
     out = torch.empty_like(q)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    splits = splits or num_kv_splits(batch, num_kv_heads, 1, block_q_for(1, num_heads // num_kv_heads), device)
     ms = _time_ms(lambda: unified_attention(q, k_cache, v_cache, out, tables, seq_lens, qsl, 1,
-                                            1 / math.sqrt(head_dim), None, None, scales, element))
+                                            1 / math.sqrt(head_dim), None, None, scales, element, splits),
+                  graph=True)
     kv_bytes = 2 * batch * context * num_kv_heads * kv_quant.bytes_per_token_head(head_dim, 2, quant)
-    return {"kv_cache_dtype": kv, "batch": batch, "context": context, "ms": ms, "kv_bytes": kv_bytes,
-            "bytes_per_s": kv_bytes / (ms / 1e3)}
+    return {"kv_cache_dtype": kv, "kv_splits": splits, "batch": batch, "context": context, "ms": ms,
+            "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / (ms / 1e3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default="1x4096,16x4096,64x4096,128x2048,256x1024")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
+    parser.add_argument("--kv-splits", nargs="+", type=int, default=[0])
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     peak = copy_bandwidth(torch.device("cuda"))
@@ -73,12 +92,14 @@ def main() -> None:
     for kv in args.kv_cache_dtype:
         for case in args.cases.split(","):
             batch, context = (int(x) for x in case.split("x"))
-            r = measure(batch, context, kv)
-            r["share_of_copy_bandwidth"] = r["bytes_per_s"] / peak
-            rows.append(r)
-            print(f"{kv:8s} batch {batch:4d} x {context:5d} keys: {r['ms'] * 1e3:8.1f} us, "
-                  f"{r['kv_bytes'] / 1e6:8.1f} MB K/V, {r['bytes_per_s'] / 1e12:.2f} TB/s = "
-                  f"{100 * r['share_of_copy_bandwidth']:.0f}% of the copy's")
+            for splits in args.kv_splits:
+                r = measure(batch, context, kv, splits)
+                r["share_of_copy_bandwidth"] = r["bytes_per_s"] / peak
+                rows.append(r)
+                print(f"{kv:8s} batch {batch:4d} x {context:5d} keys, {r['kv_splits']:2d} splits"
+                      f"{' (auto)' if not splits else ''}: {r['ms'] * 1e3:8.1f} us, "
+                      f"{r['kv_bytes'] / 1e6:8.1f} MB K/V, {r['bytes_per_s'] / 1e12:.2f} TB/s = "
+                      f"{100 * r['share_of_copy_bandwidth']:.0f}% of the copy's")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": peak, "cases": rows}, f, indent=1)

@@ -8,6 +8,9 @@ soft-capped where the layer asks. Programs map onto sequences by a binary search
 `query_start_loc`, so the grid depends only on the token and sequence counts, which a CUDA graph
 of a decode batch fixes. A byte cache (`--kv-cache-dtype`) is read as bytes and its group
 scales, each tile turned into values in the query's dtype as it is loaded.
+
+Where the sequences give too few programs to fill the GPU, each program walks one of NUM_SPLITS
+ranges of its sequence's keys and leaves partial sums for split_kv.merge_splits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton.language as tl
 
 from pagedllm import envs
 from pagedllm.model_executor.layers.triton_ops.kv_cache import kv_kind
+from pagedllm.model_executor.layers.triton_ops.split_kv import merge_splits, num_kv_splits, partial_buffers
 
 
 @triton.jit
@@ -51,15 +55,15 @@ def _bytes_to_float(raw, KV_KIND: tl.constexpr):
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    num_seqs, scale, softcap, window,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, part_ptr, ml_ptr,
+    num_seqs, num_tokens, num_heads, scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_sb, stride_ss, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    KV_KIND: tl.constexpr, SCALE_GROUP: tl.constexpr, NUM_SCALES: tl.constexpr,
+    KV_KIND: tl.constexpr, SCALE_GROUP: tl.constexpr, NUM_SCALES: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +96,11 @@ def _unified_attention_kernel(
     if USE_WINDOW:
         first = tl.maximum(context + q_first - window + 1, 0)
         first = (first // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:  # this program's share of the tiles (none for a split past a short sequence)
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tl.cdiv(last - first, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        first = first + split * per_split
+        last = tl.minimum(last, first + per_split)
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
@@ -153,9 +162,15 @@ def _unified_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:  # the partial sums, [split, token, head]: max and sum side by side, then the output
+        part = (tl.program_id(2) * num_tokens + token) * num_heads + head
+        tl.store(ml_ptr + 2 * part, m_i, mask=row_ok)
+        tl.store(ml_ptr + 2 * part + 1, l_i, mask=row_ok)
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
 def block_q_for(max_query_len: int, group: int) -> int:
@@ -180,12 +195,14 @@ def unified_attention(
     softcap: float | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     element: torch.dtype | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q, out: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
     [R, max_blocks] int32; seq_lens: [R] int32 (context + this step's query); query_start_loc:
     [R + 1] int32, each sequence's first token in q. `max_query_len` picks the tile shape (a
     bound suffices: the grid depends only on T and R). A byte cache (uint8) also takes `scales`
-    (K's and V's, [num_blocks, block_size, Hk, groups] float32) and its `element` type."""
+    (K's and V's, [num_blocks, block_size, Hk, groups] float32) and its `element` type.
+    `num_splits` (a power of two) overrides num_kv_splits."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
@@ -198,7 +215,12 @@ def unified_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Keys per tile: wide enough for the tensor cores, small enough for the registers at 256-wide heads.
     block_n = max(16, min(64, 8192 // block_d))
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    splits = num_splits or num_kv_splits(num_seqs, num_kv_heads, max_query_len, block_q, q.device)
+    assert splits & (splits - 1) == 0, "the split count is a power of two"
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+    part = ml = out  # unread with one split
+    if splits > 1:
+        part, ml = partial_buffers(splits, num_tokens, num_heads, head_dim, q.device)
     # Triton's CPU interpreter multiplies 16-bit floats by their bits: it gets exact float32
     # copies (the tensor cores also sum in float32).
     interpreted = envs.TRITON_INTERPRET
@@ -211,8 +233,8 @@ def unified_attention(
         assert k_scales.stride() == v_scales.stride() and k_scales.stride(3) == 1 and block_d % scale_group == 0
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, k_scales, v_scales,
-        block_tables, seq_lens, query_start_loc,
-        num_seqs, scale, softcap or 0.0, sliding_window or 0,
+        block_tables, seq_lens, query_start_loc, part, ml,
+        num_seqs, num_tokens, num_heads, scale, softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -222,6 +244,8 @@ def unified_attention(
         USE_SOFTCAP=softcap is not None and softcap > 0, USE_WINDOW=sliding_window is not None,
         IEEE=q.dtype == torch.float32, DOT_F32=interpreted and q.dtype != torch.float32,
         KV_KIND=kv_kind(element if scales is not None else None),
-        SCALE_GROUP=scale_group, NUM_SCALES=num_scales,
+        SCALE_GROUP=scale_group, NUM_SCALES=num_scales, NUM_SPLITS=splits,
     )
+    if splits > 1:
+        merge_splits(part, ml, out)
     return out

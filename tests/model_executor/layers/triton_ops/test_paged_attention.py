@@ -14,6 +14,8 @@ from pagedllm.model_executor.layers import kv_quant
 from pagedllm.model_executor.layers.triton_ops.kv_cache import reshape_and_cache
 from pagedllm.model_executor.layers.triton_ops.paged_attention import unified_attention
 
+BYTE_KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
 
 def reference(q, k_seq, v_seq, context, scale, window, softcap):
     """One sequence: q [L, Hq, D] at positions context..context+L-1 over keys k_seq/v_seq
@@ -76,11 +78,12 @@ class Cache:
 
 
 def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, window=None,
-             softcap=None, num_blocks=64, seed=0, kv="auto", q_mag=1.0, v_mag=1.0):
+             softcap=None, num_blocks=64, seed=0, kv="auto", q_mag=1.0, v_mag=1.0, num_splits=None):
     """seqs: (context_len, query_len) per sequence. Each sequence gets scattered, shuffled blocks
     (holes between them hold garbage) and its context K/V written first; the step's K/V go in
     through reshape_and_cache, as in a forward pass. `kv`: the cache dtype (a byte kind's keys
-    get outlier channels, as real keys have). q_mag, v_mag: the queries' and values' size."""
+    get outlier channels, as real keys have). q_mag, v_mag: the queries' and values' size.
+    num_splits: split-KV's ranges per sequence (default: the kernel's choice)."""
     gen = torch.Generator().manual_seed(seed)
     scale = 1 / (math.sqrt(head_dim) * q_mag)
     cache = Cache(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv)
@@ -113,7 +116,7 @@ def run_case(device, dtype, seqs, num_heads=4, num_kv_heads=2, head_dim=32, bloc
     seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     unified_attention(q, k_cache, v_cache, out, tables.to(device), seq_lens, query_start, max(lens), scale,
-                      window, softcap, scales, element)
+                      window, softcap, scales, element, num_splits)
     ref = torch.cat([reference(qi, kk, vv, ctx, scale, window, softcap)
                      for qi, kk, vv, (ctx, _) in zip(qs, full_k, full_v, seqs)])
     return out.cpu().double(), ref
@@ -132,6 +135,44 @@ def tolerance(dtype):
 def test_matches_reference(device, dtype, seqs):
     out, ref = run_case(device, dtype, seqs)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("seqs", [
+    [(5, 1), (150, 1), (70, 1), (0, 1)],              # decodes: splits past a short sequence's keys see none
+    [(0, 7), (130, 1), (16, 20), (3, 1), (90, 5)],    # mixed
+])
+def test_split_kv_matches_reference(device, seqs, num_splits):
+    """Each sequence's keys cut into ranges whose partial softmax sums are merged: the same
+    attention, windowed and soft-capped too."""
+    out, ref = run_case(device, torch.float32, seqs, num_splits=num_splits, num_blocks=48)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    out, ref = run_case(device, torch.float32, seqs, num_splits=num_splits, num_blocks=48, window=40, softcap=5.0)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("kv", BYTE_KINDS)
+def test_split_kv_over_a_byte_cache(device, kv):
+    out, ref = run_case(device, torch.bfloat16, [(200, 1), (3, 1), (60, 4)], kv=kv, num_splits=4, num_blocks=48)
+    torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
+
+
+def test_split_count_fills_the_sms(monkeypatch):
+    """A power of two up to MAX_SPLITS that brings the programs to two per SM; 1 off CUDA or
+    where they already fill the GPU; the environment variable overrides it."""
+    from pagedllm.model_executor.layers.triton_ops import split_kv as pa
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pa, "_sm_count", lambda index: 132)
+    monkeypatch.delenv("PAGEDLLM_ATTENTION_KV_SPLITS", raising=False)
+    assert pa.num_kv_splits(1, 8, 1, 4, cuda) == 16  # 264 / 8 programs = 33 -> 64 -> capped at 16
+    assert pa.num_kv_splits(16, 8, 1, 4, cuda) == 4  # 264 / 128 -> 3 -> 4
+    assert pa.num_kv_splits(64, 8, 1, 4, cuda) == 1
+    assert pa.num_kv_splits(1, 8, 64, 16, cuda) == 16  # one 64-token chunk: 4 query blocks
+    assert pa.num_kv_splits(2, 8, 512, 16, cuda) == 1  # prompts of 512: 32 query blocks each
+    assert pa.num_kv_splits(1, 8, 1, 4, torch.device("cpu")) == 1
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_KV_SPLITS", "2")
+    assert pa.num_kv_splits(1, 8, 1, 4, cuda) == 2
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 2), (4, 1)])
@@ -168,9 +209,6 @@ def test_padding_rows_are_skipped(device):
     reshape_and_cache(k, k, k_cache, v_cache, torch.tensor([5, -1, 17], device=device))
     written = (k_cache.view(-1, 2, 32) != 0).any(-1).any(-1).nonzero().flatten().tolist()
     assert written == [5, 17]
-
-
-BYTE_KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
 
 @pytest.mark.parametrize("kv", BYTE_KINDS)

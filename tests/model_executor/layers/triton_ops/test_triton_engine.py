@@ -71,3 +71,10 @@ def test_byte_cache_keeps_transformers_tokens(tiny, arch, scenario, kv_cache_dty
     """`--kv-cache-dtype` on the Triton kernels: the tokens stay with transformers' up to what a
     byte cache may move (tests/worker/test_kv_cache_dtype.py's tolerances), and the cache holds bytes."""
     check_scenario(*tiny(arch), scenario, device.type, tol=LOGPROB_TOL[kv_cache_dtype], kv_cache_dtype=kv_cache_dtype)
+
+
+def test_split_kv_keeps_transformers_tokens(tiny, device, monkeypatch):
+    """Every step's keys cut into 4 ranges (split-KV, what a GPU picks for a few long sequences),
+    through chunked prefill, gemma3's sliding window and the graph runner's buckets."""
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_KV_SPLITS", "4")
+    check_scenario(*tiny("gemma3"), "chunked", device.type)
