@@ -17,6 +17,7 @@ next catch-up. Drafts are the argmax (a point mass), so verification is lossless
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, com
 from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
-from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderStack, load_weights
+from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderStack, building_in, load_weights
 from pagedllm.spec_decode.draft_model import InputBuilder, KVDrafter
 from pagedllm.spec_decode.eagle3 import aux_layer_ids, check_eagle3_config, load_eagle3_head
 from pagedllm.spec_decode.head_files import load_head_tensors
@@ -103,8 +104,8 @@ def load_eagle_head(path: str, config: Any, dtype: torch.dtype, device: torch.de
     missing = sorted(set(_expected_tensors(config)) - set(tensors))
     if missing:  # a packed parameter (q/k/v, gate/up) with one part absent would otherwise pass
         raise ValueError(f"EAGLE head at {path!r}: missing tensors {missing[:4]}")
-    head = EagleHead(config, "embed_tokens.weight" in tensors, "fc.bias" in tensors, max_model_len)
-    head.to(dtype=dtype, device=device)
+    with building_in(dtype, device):
+        head = EagleHead(config, "embed_tokens.weight" in tensors, "fc.bias" in tensors, max_model_len)
     try:
         load_weights(head, tensors.items())
     except ValueError as e:
@@ -153,6 +154,9 @@ class EagleProposer(KVDrafter):
             raise ValueError(f"the EAGLE head at {spec.heads_path!r} has no embed_tokens.weight and the target "
                              f"({type(target).__name__}) has no model.embed_tokens to share")
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
+        # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
+        # (embeds, hidden, positions, metadata) -> the head's rows, or None for its modules.
+        self.layer_plan: Callable[..., torch.Tensor | None] | None = None
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of the step just run that the head reads: the target's final hidden states,
@@ -161,7 +165,10 @@ class EagleProposer(KVDrafter):
 
     def _run(self, step: Any, hidden: torch.Tensor) -> torch.Tensor:
         with set_forward_context(step.attn_metadata):
-            return self.head(self.embed(step.input_ids), hidden, step.positions)
+            embeds = self.embed(step.input_ids)
+            plan = self.layer_plan
+            out = None if plan is None else plan(embeds, hidden, step.positions, step.attn_metadata)
+            return out if out is not None else self.head(embeds, hidden, step.positions)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Any], new_tokens: list[list[int] | None], hidden: torch.Tensor,

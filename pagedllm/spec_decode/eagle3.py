@@ -24,7 +24,7 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, com
 from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaAttention, head_dim_of, llama_mlp
-from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.model_executor.models.utils import PACKED_MODULES, building_in, load_weights
 from pagedllm.spec_decode.head_files import load_head_tensors
 
 EAGLE3_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -116,7 +116,8 @@ def load_eagle3_head(path: str, config: Any, num_aux: int, dtype: torch.dtype, d
     missing = sorted(set(_expected_tensors()) - set(tensors))
     if missing:
         raise ValueError(f"EAGLE-3 head at {path!r}: missing tensors {missing[:4]}")
-    head = Eagle3Head(config, num_aux, "embed_tokens.weight" in tensors, max_model_len)
+    with building_in(dtype, device):
+        head = Eagle3Head(config, num_aux, "embed_tokens.weight" in tensors, max_model_len)
     fc = tuple(tensors["fc.weight"].shape)
     if fc != tuple(head.fc.weight.shape):
         raise ValueError(f"EAGLE-3 head at {path!r}: fc.weight is {list(fc)}, expected {list(head.fc.weight.shape)} "
@@ -132,7 +133,6 @@ def load_eagle3_head(path: str, config: Any, num_aux: int, dtype: torch.dtype, d
             raise ValueError(f"EAGLE-3 head at {path!r}: d2t does not map {head.draft_vocab_size} draft ids into "
                              f"the vocabulary of {config.vocab_size}")
         head.d2t.copy_(d2t)
-    head.to(dtype=dtype, device=device)
     renamed = ((name.replace("midlayer.", "layer.", 1), t) for name, t in tensors.items())
     try:
         load_weights(head, renamed)

@@ -23,7 +23,7 @@ from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
 from pagedllm.model_executor.models.qwen2 import MTP_PREFIX
-from pagedllm.model_executor.models.utils import PACKED_MODULES, load_weights
+from pagedllm.model_executor.models.utils import PACKED_MODULES, building_in, load_weights
 
 MTP_ARCHITECTURES = ("MiMoForCausalLM",)
 _OWN_PARTS = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # the rest: its decoder layer
@@ -92,7 +92,8 @@ def _mtp_tensors(model_path: str) -> dict[str, torch.Tensor]:
 
 def load_mtp_head(model_path: str, config: Any, dtype: torch.dtype, device: torch.device,
                   max_model_len: int) -> MTPHead:
-    head = MTPHead(config, max_model_len).to(dtype=dtype, device=device)
+    with building_in(dtype, device):
+        head = MTPHead(config, max_model_len)
     try:
         load_weights(head, _mtp_tensors(model_path).items())
     except ValueError as e:

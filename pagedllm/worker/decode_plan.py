@@ -17,7 +17,8 @@ A recipe is keyed by the `forward` it replays, so a subclass that computes other
 residual multiplier) keeps the module path. Only on the C kernel path: one rank, weight-only
 quantized decoder linears in pagedllm's layout or GGUF blocks (a plan takes no more rows than
 their kernels: `linear_max_rows`), no LoRA, float32 or bf16 (the KV cache in that dtype, or
-quantized). Anything else keeps the module path.
+quantized). Anything else keeps the module path. worker/eagle_plan.py builds an EAGLE-3 head's
+layer from the same building blocks.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ class PlanBuffers:
     """Inputs and activations for `rows` rows, shared by every plan of a model (each binds the
     first rows it runs) and by its layers, which run one after the other."""
 
-    def __init__(self, trunk: DecoderStack, rows: int, dtype: torch.dtype) -> None:
-        attn_mod, mlp = trunk.stage_layers[0].self_attn, trunk.stage_layers[0].mlp
+    def __init__(self, attn_mod: torch.nn.Module, mlp: torch.nn.Module, hidden_size: int, rows: int,
+                 dtype: torch.dtype, aux_width: int = 0) -> None:
+        """Sized by one layer's attention and feed-forward block (every layer of a plan has their
+        shapes); `aux_width`: the kept layers' inputs side by side."""
         hq, hk, d = attn_mod.num_heads, attn_mod.num_kv_heads, attn_mod.head_dim
-        hidden_size = getattr(trunk, trunk.embed_name).weight.shape[-1]
         block_size = attn_mod.attn.kv_cache.shape[2]
         max_blocks = math.ceil(attn_mod.rotary_emb.cos_cache.shape[0] / block_size) + 1
         zeros = partial(torch.zeros, dtype=dtype)
@@ -75,7 +77,14 @@ class PlanBuffers:
         self.q, self.k, self.o = zeros(rows, hq, d), zeros(rows, hk, d), zeros(rows, hq, d)
         inter = mlp.down_proj.in_features
         self.gate_up, self.act = zeros(rows, 2 * inter), zeros(rows, inter)
-        self.aux = zeros(rows, len(trunk.aux_hidden_layers) * hidden_size)  # the kept layers' inputs
+        self.aux = zeros(rows, aux_width)
+
+    @classmethod
+    def of_trunk(cls, trunk: DecoderStack, rows: int, dtype: torch.dtype) -> PlanBuffers:
+        layer = trunk.stage_layers[0]
+        hidden_size = getattr(trunk, trunk.embed_name).weight.shape[-1]
+        return cls(layer.self_attn, layer.mlp, hidden_size, rows, dtype,
+                   len(trunk.aux_hidden_layers) * hidden_size)
 
 
 def _embed_scale(trunk: DecoderStack, dtype: torch.dtype) -> torch.Tensor | None:
@@ -95,16 +104,9 @@ class DecodePlan:
 
     def __init__(self, trunk: DecoderStack, rows: int, buffers: PlanBuffers) -> None:
         layers = list(trunk.stage_layers)
-        self.rows, self.dtype, self.nthreads = rows, buffers.hidden.dtype, torch.get_num_threads()
+        self._bind_buffers(rows, buffers)
         self.embed = getattr(trunk, trunk.embed_name)
         self.embed_scale = _embed_scale(trunk, self.dtype)
-        self.buffers = buffers  # the calls point into it
-        # per-step inputs, written in place
-        self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
-        self.seq_len, self.block_table = buffers.seq_len[:rows], buffers.block_table[:rows]
-        self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()
-        self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
-        self.calls: list[Callable[[], object]] = []
         self.trunk, aux = trunk, trunk.aux_hidden_layers
         self.aux = buffers.aux[:rows]
         width = self.hidden.shape[1]
@@ -114,6 +116,17 @@ class DecodePlan:
                 self.calls.append(partial(self.aux[:, j * width : (j + 1) * width].copy_, self.hidden))
             _recipe(layer)(self, layer)
         self._rms(getattr(trunk, trunk.norm_name), self.hidden, self.normed)
+
+    def _bind_buffers(self, rows: int, buffers: PlanBuffers) -> None:
+        """The first `rows` rows of `buffers` as this plan's inputs and activations; no calls yet."""
+        self.rows, self.dtype, self.nthreads = rows, buffers.hidden.dtype, torch.get_num_threads()
+        self.buffers = buffers  # the calls point into it
+        # per-step inputs, written in place
+        self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
+        self.seq_len, self.block_table = buffers.seq_len[:rows], buffers.block_table[:rows]
+        self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()
+        self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
+        self.calls: list[Callable[[], object]] = []
 
     # -- building --
 
@@ -250,6 +263,15 @@ class DecodePlan:
             self.hidden.copy_(self.embed.lookup(input_ids))
         else:
             torch.mul(self.embed.lookup(input_ids), self.embed_scale, out=self.hidden)
+        self._write_step(positions, md)
+        for call in self.calls:
+            call()
+        if self.aux.shape[1]:
+            self.trunk.aux_hidden_states = self.aux.clone()
+        return self.normed.clone()
+
+    def _write_step(self, positions: torch.Tensor, md: AttentionMetadata) -> None:
+        """The step's positions, slots, and each row's keys and blocks, into the input buffers."""
         self.positions.copy_(positions.view(-1))
         self.slot.copy_(md.slot_mapping.view(-1))
         lens, table = self._seq_len_np, self._table_np
@@ -266,11 +288,6 @@ class DecodePlan:
             rows = slice(seg.token_start, seg.token_start + seg.query_len)
             lens[rows] = np.arange(seg.context_len + 1, seg.context_len + seg.query_len + 1)
             table[rows, : seg.block_table.shape[0]] = seg.block_table.numpy()
-        for call in self.calls:
-            call()
-        if self.aux.shape[1]:
-            self.trunk.aux_hidden_states = self.aux.clone()
-        return self.normed.clone()
 
 
 # Each layer `forward` a plan replays, and the recipe that does; the attention and feed-forward
@@ -318,7 +335,7 @@ class DecodePlans:
         self.trunk = trunk
         self.kv_ptr, self.nthreads = kv_cache.data_ptr(), torch.get_num_threads()
         self.windows = {layer.self_attn.attn.sliding_window for layer in layers}
-        self.buffers = PlanBuffers(trunk, MAX_PLAN_ROWS, dtype)
+        self.buffers = PlanBuffers.of_trunk(trunk, MAX_PLAN_ROWS, dtype)
         self.plans = {1: DecodePlan(trunk, 1, self.buffers)}  # raises Unsupported for the model's layers
         self.max_blocks = self.plans[1].block_table.shape[1]  # the block tables' width
 

@@ -38,6 +38,7 @@ from pagedllm.spec_decode.rejection_sampler import accept_certain, accept_sample
 from pagedllm.transformers_utils.page_cache import anonymous_zeros
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.decode_plan import DecodePlanRunner
+from pagedllm.worker.eagle_plan import Eagle3PlanRunner
 from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.input_batch import InputBatch, StepRow
 from pagedllm.worker.sampling_metadata import SamplingMetadataBuilder
@@ -100,6 +101,8 @@ class ModelRunner:
                                          config.model_config.dtype, self.device)
         elif spec is not None and spec.method in EAGLE_METHODS:
             self.eagle = EagleProposer(config, self.model, self.device, prepare_inputs)
+            if self.decode_plans is not None and spec.method == "eagle3":
+                self.eagle.layer_plan = Eagle3PlanRunner(self.eagle.head, len(self.eagle.trunk.aux_hidden_layers))
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
 

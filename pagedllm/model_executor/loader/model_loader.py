@@ -17,6 +17,7 @@ from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHea
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
 from pagedllm.model_executor.models.registry import resolve_model_cls
+from pagedllm.model_executor.models.utils import building_in
 from pagedllm.transformers_utils.page_cache import anonymous_zeros, huge_pages_on
 from pagedllm.transformers_utils.quant_config import read_quant_format
 from pagedllm.transformers_utils.quantized_checkpoint import iterate_quantized
@@ -29,19 +30,14 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     check_quantization(model_config.quantization, device)  # before building: its kernels are CPU ones
     model_cls = resolve_model_cls(model_config.architecture)
     start = time.perf_counter()
-    prev_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
+    with building_in(model_config.dtype, device):
         # The engine's context length, for the models whose rotary tables depend on it (LongRoPE).
         takes_len = "max_model_len" in inspect.signature(model_cls).parameters
         kwargs = {"max_model_len": model_config.max_model_len} if takes_len else {}
         # A vision-language model takes the whole config (its vision tower's too).
         config = model_config.hf_config if getattr(model_cls, "supports_multimodal", False) else \
             model_config.text_config
-        with torch.device(device):
-            model = model_cls(config, **kwargs)
-    finally:
-        torch.set_default_dtype(prev_dtype)
+        model = model_cls(config, **kwargs)
     restored = False
     cache = _quant_cache_file(model, model_config)
     if cache is not None:  # the linears' float weights come with their quantized copies, unread

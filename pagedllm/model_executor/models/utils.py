@@ -4,6 +4,7 @@ models share for pipeline parallelism (a stage builds only its layers)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,20 @@ from pagedllm.distributed import get_pp_group, get_pp_indices
 from pagedllm.model_executor.layers.linear import default_weight_loader
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead
 from pagedllm.transformers_utils.checkpoint_tensor import CheckpointTensor
+
+
+@contextmanager
+def building_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Modules built inside take `dtype` and `device` for what they create without a dtype, and
+    keep what they create in float32 explicitly (rotary tables): how the loader builds a model,
+    where casting a built module would round its tables too."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(prev)
 
 
 @dataclass(slots=True)

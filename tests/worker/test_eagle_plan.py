@@ -1,0 +1,45 @@
+"""The EAGLE-3 head's layer on bound kernel calls (worker/eagle_plan.py): an int8 target's head
+drafts exactly what its modules draft, step for step, over the first pass on the target's rows,
+chained drafts and catch-ups of several rows; greedy output stays that of no speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.model_executor.layers import cpu_kernels
+from pagedllm.worker import eagle_plan
+from tests.spec_decode.test_eagle import GREEDY, _ids, _spy, _write_head
+from tests.spec_decode.test_eagle3 import _engine, _head_config, _random_tensors
+from tests.utils import make_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the plans run pagedllm's C kernels")
+
+
+@pytest.mark.parametrize("arch,dtype", [("gemma3", "float32"), ("llama", "bfloat16")])
+def test_head_plan_drafts_what_the_modules_draft(tmp_path, monkeypatch, arch, dtype):
+    model = make_tiny_model(str(tmp_path / arch), arch, head_dim=32,
+                            **({"query_pre_attn_scalar": 32} if arch == "gemma3" else {}))
+    config = _head_config(model)
+    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 7))
+    rows, fused = [], []
+    real = eagle_plan.Eagle3LayerPlan.run_layer
+
+    def run_layer(self, embeds, hidden, *args):
+        rows.append(self.rows)
+        fused.append(hidden.shape[-1] != embeds.shape[-1])
+        return real(self, embeds, hidden, *args)
+
+    monkeypatch.setattr(eagle_plan.Eagle3LayerPlan, "run_layer", run_layer)
+    reference = _ids(_engine(model, quantization="int8", dtype=dtype), GREEDY)
+    llm = _engine(model, head, quantization="int8", dtype=dtype)
+    with_plan = _spy(llm)
+    assert _ids(llm, GREEDY) == reference
+    assert max(rows) > 1 and any(fused) and not all(fused)  # catch-ups over the target's rows, chained drafts
+    monkeypatch.setattr(eagle_plan.Eagle3PlanRunner, "__call__", lambda self, *args: None)
+    rows.clear()
+    llm = _engine(model, head, quantization="int8", dtype=dtype)
+    without = _spy(llm)
+    assert _ids(llm, GREEDY) == reference
+    assert not rows
+    assert with_plan == without
+    assert len(with_plan) > 20
