@@ -6,16 +6,21 @@
 - batch 1: each prompt alone, TPOT = (time to 128 tokens - time to 1 token) / 127, summed over
   the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it);
 - batch 16 (`--batch16`): all prompts at once, output tok/s;
-- each configuration's greedy tokens must equal those without speculation (checked).
+- each configuration's greedy tokens must equal those without speculation (checked);
+- how many of the answers' tokens the head's draft vocabulary holds (`d2t`): a draft outside it
+  is never right, so this caps the acceptance at every position.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
+import torch
 from eagle_prompts import HELD_OUT
+from safetensors.torch import load_file
 
 from pagedllm import LLM, SamplingParams
 
@@ -45,6 +50,20 @@ def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[i
         decode += (t2 - t1) - (t1 - t0)
     after = counters(llm)
     return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def draft_vocab_coverage(head: str, answers: list[list[int]]) -> dict[str, float] | None:
+    """The share of the answers' tokens (and of their distinct tokens) inside an EAGLE-3 head's
+    draft vocabulary; None for a head that drafts over the whole vocabulary."""
+    file = os.path.join(head, "model.safetensors")
+    d2t = load_file(file).get("d2t") if os.path.exists(file) else None
+    if d2t is None:
+        return None
+    vocab = set((torch.arange(len(d2t)) + d2t.long()).tolist())
+    tokens = [t for a in answers for t in a]
+    distinct = set(tokens)
+    return {"tokens": round(sum(t in vocab for t in tokens) / len(tokens), 4),
+            "distinct": round(len(distinct & vocab) / len(distinct), 4), "num_distinct": len(distinct)}
 
 
 def batched(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -89,7 +108,9 @@ def main() -> None:
         row = {"config": name}
         if not args.no_batch1:
             tpot, outs, c = batch1(llm, prompts, args.max_tokens)
-            reference = reference or outs
+            if reference is None:
+                reference = outs
+                row["draft_vocab_coverage"] = draft_vocab_coverage(args.head, [list(o) for o in outs])
             row |= {"batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
             if c["drafts"]:
                 row["mean_acceptance_length"] = round(1 + c["accepted_tokens"] / c["drafts"], 3)
@@ -114,6 +135,8 @@ def main() -> None:
                      f"  acceptance length {row.get('mean_acceptance_length', '-')}")
         if "batch16_tok_s" in row:
             line += f"  batch 16 {row['batch16_tok_s']} tok/s"
+        if row.get("draft_vocab_coverage"):
+            line += f"  answers' tokens in the head's draft vocabulary: {row['draft_vocab_coverage']}"
         print(line)
 
 
