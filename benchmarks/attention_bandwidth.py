@@ -27,26 +27,22 @@ def _time_ms(fn, iters: int = 20, graph: bool = False) -> float:
     runs them (the time of the kernels, without Python's launch overhead)."""
     for _ in range(3):
         fn()
-    run = fn
+    run, calls_per_run = fn, 1
     if graph:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(iters):
                 fn()
-        run = g.replay
+        run, calls_per_run, iters = g.replay, iters, 5
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    if graph:
-        for _ in range(5):
-            run()
-    else:
-        for _ in range(iters):
-            run()
+    for _ in range(iters):
+        run()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * iters if graph else iters)
+    return start.elapsed_time(end) / (iters * calls_per_run)
 
 
 def measure(batch: int, context: int, kv: str = "auto", splits: int = 0, num_heads=32, num_kv_heads=8,

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 from eagle_prompts import HELD_OUT
-from safetensors.torch import load_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode.eagle3 import EAGLE3_FILES
+from pagedllm.spec_decode.head_files import load_head_tensors
 
 KEYS = ("drafts", "draft_tokens", "accepted_tokens")
 
@@ -55,8 +55,7 @@ def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[i
 def draft_vocab_coverage(head: str, answers: list[list[int]]) -> dict[str, float] | None:
     """The share of the answers' tokens (and of their distinct tokens) inside an EAGLE-3 head's
     draft vocabulary; None for a head that drafts over the whole vocabulary."""
-    file = os.path.join(head, "model.safetensors")
-    d2t = load_file(file).get("d2t") if os.path.exists(file) else None
+    d2t = load_head_tensors(head, EAGLE3_FILES, "EAGLE head").get("d2t")
     if d2t is None:
         return None
     vocab = set((torch.arange(len(d2t)) + d2t.long()).tolist())

@@ -54,7 +54,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "triton": Triton's paged attention on CPU too (its interpreter); default: by device.
     "PAGEDLLM_ATTENTION_BACKEND": lambda: os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").strip().lower(),
     # How many ranges the Triton attention cuts each sequence's keys into (a power of two; "1":
-    # no split-KV); default: by the GPU's SM count (triton_ops/paged_attention.num_kv_splits).
+    # no split-KV); default: by the GPU's SM count (triton_ops/split_kv.num_kv_splits).
     "PAGEDLLM_ATTENTION_KV_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTENTION_KV_SPLITS") or 0),
     # Layers per pipeline stage, comma-separated (e.g. "10,8"); default: as even as possible.
     "PAGEDLLM_PP_LAYER_PARTITION": _optional("PAGEDLLM_PP_LAYER_PARTITION"),

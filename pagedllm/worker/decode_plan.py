@@ -307,6 +307,16 @@ def _recipe(layer: torch.nn.Module) -> Callable[[DecodePlan, torch.nn.Module], N
     return recipe
 
 
+def rows_run_as_decodes(md: AttentionMetadata, max_blocks: int, windows: set[int | None]) -> bool:
+    """Whether every row of the step runs as a decode in the module path's attention under each
+    of `windows`, within block tables `max_blocks` wide: decodes, and chunks of at most
+    KERNEL_CHUNK_ROWS rows after cached context over at most KERNEL_CHUNK_MAX_KEYS keys."""
+    if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > max_blocks:
+        return False
+    return all(seg.block_table.shape[0] <= max_blocks and all(chunk_runs_as_decodes(seg, w) for w in windows)
+               for seg in md.prefills)
+
+
 class DecodePlans:
     """A model's plans by row count, on one set of buffers; dropped (`valid` False) when the KV
     cache or the thread count changes."""
@@ -343,14 +353,9 @@ class DecodePlans:
         return kv_cache.data_ptr() == self.kv_ptr and torch.get_num_threads() == self.nthreads
 
     def takes(self, md: AttentionMetadata) -> bool:
-        """Whether every row of the step runs as a decode in the module path's attention too:
-        decodes, and chunks of at most KERNEL_CHUNK_ROWS rows after cached context over at most
-        KERNEL_CHUNK_MAX_KEYS keys in every layer. (A model with LoRA layers has no plans.)"""
-        max_blocks = self.max_blocks
-        if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > max_blocks:
-            return False
-        return all(seg.block_table.shape[0] <= max_blocks and all(chunk_runs_as_decodes(seg, w) for w in self.windows)
-                   for seg in md.prefills)
+        """rows_run_as_decodes over the model's layers' windows. (A model with LoRA layers has
+        no plans.)"""
+        return rows_run_as_decodes(md, self.max_blocks, self.windows)
 
     def get(self, rows: int) -> DecodePlan | None:
         """The plan for `rows` decode tokens (built now if this is the first such step); None

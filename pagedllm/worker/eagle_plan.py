@@ -16,9 +16,8 @@ import torch
 
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata
-from pagedllm.model_executor.layers.attention import chunk_runs_as_decodes
 from pagedllm.spec_decode.eagle3 import Eagle3Head
-from pagedllm.worker.decode_plan import MAX_PLAN_ROWS, DecodePlan, PlanBuffers, Unsupported
+from pagedllm.worker.decode_plan import MAX_PLAN_ROWS, DecodePlan, PlanBuffers, Unsupported, rows_run_as_decodes
 
 logger = logging.getLogger(__name__)
 
@@ -67,27 +66,28 @@ class Eagle3PlanRunner:
     """The head's plans by row count, on one set of buffers, made again when the KV cache or the
     thread count changes. Called with a step's rows: their output, or None for the module path."""
 
-    def __init__(self, head: Eagle3Head, num_aux: int) -> None:
-        self.head, self.num_aux = head, num_aux
+    def __init__(self, head: Eagle3Head) -> None:
+        self.head = head
         self.attn = head.layer.self_attn.attn
-        self.key: tuple[int, int] | None = None
+        self.windows = {self.attn.sliding_window}
+        self.key: tuple[int, int] | None = None  # the KV cache and thread count the plans are for
         self.plans: dict[int, Eagle3LayerPlan | None] = {}
         self.buffers: PlanBuffers | None = None
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  md: AttentionMetadata) -> torch.Tensor | None:
         rows = embeds.shape[0]
-        if rows > MAX_PLAN_ROWS or md.triton is not None or not envs.PAGEDLLM_DECODE_PLAN:
+        if rows > MAX_PLAN_ROWS or md.triton is not None:
             return None
         key = (self.attn.kv_cache.data_ptr(), torch.get_num_threads())
         if key != self.key:
-            if self.attn.kv_cache.numel() == 0:
+            if self.attn.kv_cache.numel() == 0 or not envs.PAGEDLLM_DECODE_PLAN:
                 return None
             self.key, self.plans = key, {}
-            attn_mod, width = self.head.layer.self_attn, self.head.norm.weight.shape[0]
-            self.buffers = PlanBuffers(attn_mod, self.head.layer.mlp, width, MAX_PLAN_ROWS, embeds.dtype,
-                                       self.num_aux * width)
-        if not self._takes(md):
+            head = self.head
+            self.buffers = PlanBuffers(head.layer.self_attn, head.layer.mlp, head.norm.weight.shape[0],
+                                       MAX_PLAN_ROWS, embeds.dtype, head.fc.in_features)
+        if not rows_run_as_decodes(md, self.buffers.block_table.shape[1], self.windows):
             return None
         if rows not in self.plans:
             try:
@@ -98,10 +98,3 @@ class Eagle3PlanRunner:
         plan = self.plans[rows]
         return None if plan is None else plan.run_layer(embeds, hidden, positions, md)
 
-    def _takes(self, md: AttentionMetadata) -> bool:
-        """Every row runs as a decode in the module path too, within the plans' block tables."""
-        width = self.buffers.block_table.shape[1]
-        if md.decode_block_tables is not None and md.decode_block_tables.shape[1] > width:
-            return False
-        return all(seg.block_table.shape[0] <= width and chunk_runs_as_decodes(seg, self.attn.sliding_window)
-                   for seg in md.prefills)

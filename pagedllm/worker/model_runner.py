@@ -102,7 +102,7 @@ class ModelRunner:
         elif spec is not None and spec.method in EAGLE_METHODS:
             self.eagle = EagleProposer(config, self.model, self.device, prepare_inputs)
             if self.decode_plans is not None and spec.method == "eagle3":
-                self.eagle.layer_plan = Eagle3PlanRunner(self.eagle.head, len(self.eagle.trunk.aux_hidden_layers))
+                self.eagle.layer_plan = Eagle3PlanRunner(self.eagle.head)
         elif spec is not None:
             self.drafter = DraftModelProposer(config, self.device, seed_gen, prepare_inputs)
 

@@ -160,19 +160,19 @@ def test_split_kv_over_a_byte_cache(device, kv):
 def test_split_count_fills_the_sms(monkeypatch):
     """A power of two up to MAX_SPLITS that brings the programs to two per SM; 1 off CUDA or
     where they already fill the GPU; the environment variable overrides it."""
-    from pagedllm.model_executor.layers.triton_ops import split_kv as pa
+    from pagedllm.model_executor.layers.triton_ops import split_kv
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pa, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(split_kv, "_sm_count", lambda index: 132)
     monkeypatch.delenv("PAGEDLLM_ATTENTION_KV_SPLITS", raising=False)
-    assert pa.num_kv_splits(1, 8, 1, 4, cuda) == 16  # 264 / 8 programs = 33 -> 64 -> capped at 16
-    assert pa.num_kv_splits(16, 8, 1, 4, cuda) == 4  # 264 / 128 -> 3 -> 4
-    assert pa.num_kv_splits(64, 8, 1, 4, cuda) == 1
-    assert pa.num_kv_splits(1, 8, 64, 16, cuda) == 16  # one 64-token chunk: 4 query blocks
-    assert pa.num_kv_splits(2, 8, 512, 16, cuda) == 1  # prompts of 512: 32 query blocks each
-    assert pa.num_kv_splits(1, 8, 1, 4, torch.device("cpu")) == 1
+    assert split_kv.num_kv_splits(1, 8, 1, 4, cuda) == 16  # 264 / 8 programs = 33 -> 64 -> capped at 16
+    assert split_kv.num_kv_splits(16, 8, 1, 4, cuda) == 4  # 264 / 128 -> 3 -> 4
+    assert split_kv.num_kv_splits(64, 8, 1, 4, cuda) == 1
+    assert split_kv.num_kv_splits(1, 8, 64, 16, cuda) == 16  # one 64-token chunk: 4 query blocks
+    assert split_kv.num_kv_splits(2, 8, 512, 16, cuda) == 1  # prompts of 512: 32 query blocks each
+    assert split_kv.num_kv_splits(1, 8, 1, 4, torch.device("cpu")) == 1
     monkeypatch.setenv("PAGEDLLM_ATTENTION_KV_SPLITS", "2")
-    assert pa.num_kv_splits(1, 8, 1, 4, cuda) == 2
+    assert split_kv.num_kv_splits(1, 8, 1, 4, cuda) == 2
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 2), (4, 1)])
