@@ -173,6 +173,10 @@ def test_split_count_fills_the_sms(monkeypatch):
     assert split_kv.num_kv_splits(1, 8, 1, 4, torch.device("cpu")) == 1
     monkeypatch.setenv("PAGEDLLM_ATTENTION_KV_SPLITS", "2")
     assert split_kv.num_kv_splits(1, 8, 1, 4, cuda) == 2
+    for bad in ("3", "32"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_KV_SPLITS", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_KV_SPLITS"):
+            split_kv.num_kv_splits(1, 8, 1, 4, cuda)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 2), (4, 1)])
