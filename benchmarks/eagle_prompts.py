@@ -118,6 +118,19 @@ MORE_TEMPLATES = [
 ]
 
 
+# How user requests begin, for the requests the target writes itself (`train_eagle.py
+# --self-written`): the openers are English's common request forms, the rest is the target's.
+OPENERS = [
+    "How do I", "How can I", "How does", "How many", "How long", "What is", "What are", "What does", "What should I",
+    "What happens when", "Why do", "Why is", "Why does", "When did", "Where can I", "Who was", "Which is better,",
+    "Is it", "Should I", "Can you", "Could you", "Please", "Write a", "Write an", "Give me", "Tell me", "Explain",
+    "Describe", "Suggest", "Help me", "I need", "I want to", "Make a", "Create a", "Plan", "List", "Compare",
+    "Summarize", "Recommend", "Translate", "Name", "Find", "Show me", "Teach me", "My", "I have",
+]
+
+SELF_WRITTEN_PREFIX = "Here are some requests that people sent to a helpful assistant:\n\n- "
+
+
 def python_subjects() -> list[str]:
     """Python's help topics and public standard-library module names."""
     from pydoc_data.topics import topics

@@ -29,7 +29,7 @@ import random
 import time
 
 import torch
-from eagle_prompts import topic_tokens_text, train_prompts
+from eagle_prompts import OPENERS, SELF_WRITTEN_PREFIX, topic_tokens_text, train_prompts
 from torch import nn
 from torch.nn import functional as F
 
@@ -49,6 +49,27 @@ def generate(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], 
     ids = [chat_ids(tokenizer, p) for p in prompts]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0, max_tokens=max_tokens))
     return [(i, list(o.outputs[0].token_ids)) for i, o in zip(ids, outs)]
+
+
+def self_written_prompts(llm, num: int, seed: int) -> list[str]:
+    """`num` distinct user requests the target writes itself: a list of requests to an assistant,
+    each item begun with one of `OPENERS` and continued by the target, sampled (temperature 1,
+    top-p 0.95) to the end of its line. Subjects and forms are then the target's, not a template's."""
+    from pagedllm import SamplingParams
+
+    rng, out, seen, tries = random.Random(seed), [], set(), 0
+    while len(out) < num and tries < 4:
+        openers = [rng.choice(OPENERS) for _ in range(2 * (num - len(out)))]
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, stop=["\n"], seed=rng.randrange(2**31))
+                  for _ in openers]
+        outs = llm.generate([SELF_WRITTEN_PREFIX + o for o in openers], params, use_tqdm=False)
+        for opener, o in zip(openers, outs):
+            text = (opener + o.outputs[0].text).strip()
+            if o.outputs[0].finish_reason == "stop" and len(text.split()) >= 4 and text not in seen:
+                seen.add(text)
+                out.append(text)
+        tries += 1
+    return out[:num]
 
 
 @torch.inference_mode()
@@ -219,6 +240,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--self-written", type=float, default=0.0,
+                    help="share of the prompts the target writes itself (self_written_prompts) instead of templates")
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
                     help="the target layers whose input the head reads (default: vLLM's 2, L/2, L-3)")
     args = ap.parse_args()
@@ -231,7 +254,11 @@ def main() -> None:
     text = llm.llm_engine.config.model_config.text_config
     h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
     aux = tuple(sorted(args.aux_layers)) if args.aux_layers else (2, layers // 2, layers - 3)
-    data = generate(llm, train_prompts(args.num_prompts, args.seed), args.max_tokens)
+    num_self = round(args.self_written * args.num_prompts)
+    written = self_written_prompts(llm, num_self, args.seed) if num_self else []
+    prompts = written + train_prompts(args.num_prompts - len(written), args.seed)
+    print(f"{len(prompts)} prompts, {len(written)} written by the target ({time.perf_counter() - start:.0f} s)")
+    data = generate(llm, prompts, args.max_tokens)
     print(f"generated {sum(len(a) for _, a in data)} answer tokens for {len(data)} prompts "
           f"in {time.perf_counter() - start:.0f} s")
     seqs = [p + a for p, a in data]
