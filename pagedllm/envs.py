@@ -71,6 +71,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": GGUF Q4_K / Q6_K / Q5_0 / Q4_0 linears run from the file's own layout instead of repacked 8 rows at a
     # time at load (model_executor/layers/gguf_linear.py, csrc/gguf_x8.c); for comparisons.
     "PAGEDLLM_GGUF_REPACK": _on_unless_zero("PAGEDLLM_GGUF_REPACK"),
+    # "0": a pre-quantized checkpoint's float LM head runs its float weight (oneDNN-packed) instead of
+    # int4 / W8A8 ranking copies with its top candidates re-scored (loader/quantize.py); for comparisons.
+    "PAGEDLLM_RANK_FLOAT_HEAD": _on_unless_zero("PAGEDLLM_RANK_FLOAT_HEAD"),
     # "0": pagedllm leaves its logger unconfigured (an application sets the handlers).
     "PAGEDLLM_CONFIGURE_LOGGING": _on_unless_zero("PAGEDLLM_CONFIGURE_LOGGING"),
     # The `pagedllm` logger's level (DEBUG, INFO, WARNING, ...); default INFO.

@@ -336,7 +336,7 @@ class DecodePlans:
             raise Unsupported(f"a model on {device}: the kernels are CPU ones")
         if cpu_kernels.kernels() is None or not layers or trunk.start_layer != 0 or trunk.end_layer != len(layers):
             raise Unsupported("no C kernels, or a pipeline stage")
-        dtype = getattr(trunk, trunk.embed_name).weight.dtype
+        dtype = getattr(trunk, trunk.embed_name).dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"dtype {dtype}")
         kv_cache = layers[0].self_attn.attn.kv_cache

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import cpu_isa
+from pagedllm.forward_context import get_exact_logit_rows
 from pagedllm.model_executor.custom_op import CustomFn, platform_of
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
@@ -32,7 +33,7 @@ INT4_GROUP_SIZES = (128, 64, 32)  # the kernel takes 32, 64, 128 or 256; the lar
 _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
 # Big weights (the LM head) are quantized in slices to bound temporaries; a multiple of the
 # packing's 64-row blocks, so slices pack exactly as the whole weight does.
-_CHUNK_ROWS = 16384
+_CHUNK_BYTES = 16 << 20  # float32 bytes of a weight quantized at once: bounds the temporaries (int4: ~6x)
 _KERNEL_DTYPE = torch.bfloat16
 _PACK_ROWS_HINT = 64  # rows oneDNN tunes its packed int8 layout for; any count runs
 _MAX_KERNEL_K = 65536  # the C kernels' int32 accumulators are sized for inputs up to this
@@ -49,11 +50,17 @@ def dynamic_runs_kernel() -> bool:
     return not cpu_isa.has_vnni() and cpu_kernels.kernels() is not None
 
 
+def chunk_rows(in_features: int) -> int:
+    """Rows of a [*, in_features] weight quantized at once: `_CHUNK_BYTES` of float32, in whole
+    multiples of 64 rows (the int4 packing's tiles)."""
+    return max(64, _CHUNK_BYTES // (4 * in_features) // 64 * 64)
+
+
 def quantize_int8(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8, w ≈ q * scale with q in [-qmax, qmax]: (q [N, K], scale [N] bf16)."""
     w = w.float()
     scale = (w.abs().amax(dim=1) / qmax).clamp(min=1e-12).to(_KERNEL_DTYPE)
-    q = torch.round(w / scale.float()[:, None]).clamp(-qmax, qmax).to(torch.int8)
+    q = (w / scale.float()[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -169,9 +176,14 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
     # pagedllm's int4 kernel takes 128-input blocks whole within a group.
     ours = weight.device.type == "cpu" and cpu_kernels.kernels() is not None
     ours = ours and (method == "int8" or group % 128 == 0) and k <= _MAX_KERNEL_K
-    qs, scales = [], []
-    for start in range(0, n, _CHUNK_ROWS):
-        rows = weight[start : start + _CHUNK_ROWS]
+    # Written into the whole as the slices come, not collected and concatenated: no second copy
+    # at the peak, and nothing kept is allocated between one slice's temporaries and the next's
+    # (the heap would grow by their holes).
+    qs = scales = None
+    scale_dim = 1 if method == "int4" and not ours else 0  # torch's int4 scales: [groups, N, 2]
+    chunk = chunk_rows(k)
+    for start in range(0, n, chunk):
+        rows = weight[start : start + chunk]
         if method == "int8":
             q, s = quantize_int8(rows)
             deq = dequantize_int8(q, s) if write_back else None
@@ -181,12 +193,14 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
             q, s = quantize_int4(rows, group)
             deq = dequantize_int4(q, s) if write_back else None
             q, s = cpu_kernels.pack_int4(q, s) if ours else (torch._convert_weight_to_int4pack_for_cpu(q, 1), s)
-        qs.append(q)
-        scales.append(s)
+        if qs is None:
+            qs = q.new_empty((n, *q.shape[1:]))
+            scales = s.new_empty((*s.shape[:scale_dim], n, *s.shape[scale_dim + 1 :]))
+        qs[start : start + chunk] = q
+        scales.narrow(scale_dim, start, s.shape[scale_dim]).copy_(s)
         if deq is not None:
             rows.copy_(deq)
-    scales_t = torch.cat(scales, dim=1 if method == "int4" and not ours else 0).contiguous()
-    return WeightOnlyQuant(method, torch.cat(qs), scales_t, k, group, max_rows, "pagedllm" if ours else "torch")
+    return WeightOnlyQuant(method, qs, scales, k, group, max_rows, "pagedllm" if ours else "torch")
 
 
 class DynamicInt8Quant(nn.Module):
@@ -200,10 +214,13 @@ class DynamicInt8Quant(nn.Module):
         `int8_weight()` returned them (a cached copy)."""
         super().__init__()
         if quantized is None:
-            # Quantized in slices to bound temporaries, then packed for oneDNN.
-            rows = range(0, weight.shape[0], _CHUNK_ROWS)
-            parts = [quantize_int8(weight[i : i + _CHUNK_ROWS], self.weight_qmax()) for i in rows]
-            quantized = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+            # Quantized in slices into the whole, to bound temporaries, then packed for oneDNN.
+            n, k = weight.shape
+            quantized = torch.empty((n, k), dtype=torch.int8), torch.empty(n, dtype=_KERNEL_DTYPE)
+            chunk = chunk_rows(k)
+            for i in range(0, n, chunk):
+                q, s = quantize_int8(weight[i : i + chunk], self.weight_qmax())
+                quantized[0][i : i + chunk], quantized[1][i : i + chunk] = q, s
         qweight, scale = quantized
         self.out_features, self.in_features = qweight.shape
         self.qmax = self.weight_qmax()
@@ -282,11 +299,15 @@ class QuantizedLMHead(nn.Module):
     64).
     """
 
-    def __init__(self, dynamic: DynamicInt8Quant, few_rows: WeightOnlyQuant | None, top_k: int) -> None:
+    def __init__(self, dynamic: DynamicInt8Quant, few_rows: WeightOnlyQuant | None, top_k: int,
+                 exact_rows: bool = False) -> None:
+        """`exact_rows`: the rows `forward_context.exact_logit_rows` names (their log-softmax goes
+        back to a user) get every logit from the float weight, as `GGUFRankedHead`'s do."""
         super().__init__()
         self.dynamic = dynamic
         self.few_rows = few_rows
         self.top_k = min(top_k, dynamic.out_features)
+        self.exact_rows = exact_rows
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         top_k = self.top_k
@@ -300,6 +321,21 @@ class QuantizedLMHead(nn.Module):
             if platform_of(logits, hidden, weight) == "cpu" and weight.is_contiguous():
                 cpu_kernels.rescore_logits(logits, idx, hidden, weight)
             else:
-                exact = torch.bmm(weight[idx], hidden.unsqueeze(-1)).squeeze(-1)
+                exact = torch.bmm(weight[idx].to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1)
                 logits.scatter_(1, idx, exact.to(logits.dtype))
+        rows = get_exact_logit_rows() if self.exact_rows else None
+        if rows is not None and rows.numel():
+            logits[rows] = float_logits(hidden[rows], weight).to(logits.dtype)
         return logits
+
+
+def float_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden @ weight.T in hidden's dtype; a weight kept in a narrower dtype (a head mapped in its
+    file's bf16) is widened a slice of rows at a time, never whole."""
+    if weight.dtype == hidden.dtype:
+        return nn.functional.linear(hidden, weight)
+    out = hidden.new_empty((hidden.shape[0], weight.shape[0]))
+    chunk = chunk_rows(weight.shape[1])
+    for start in range(0, weight.shape[0], chunk):
+        out[:, start : start + chunk] = nn.functional.linear(hidden, weight[start : start + chunk].to(hidden.dtype))
+    return out

@@ -25,6 +25,11 @@ class _VocabShard:
     """This rank's rows of a vocabulary of `vocab_size`, and their loader."""
 
     def _init_shard(self, vocab_size: int) -> None:
+        # Set before loading where only rows are read from the table (lookups, a ranked head's
+        # re-scoring): it then stays in the file's narrower dtype (mapped where the file allows),
+        # each looked-up row converted to `dtype` (exact: the checkpoint's values), instead of a
+        # copy in the model's wider dtype.
+        self.keep_file_dtype = False
         self.tp = get_tp_group()
         self.tp_rank, self.tp_size = self.tp.rank_in_group, self.tp.world_size
         self.org_vocab_size = vocab_size
@@ -43,6 +48,9 @@ class _VocabShard:
             if valid:
                 self.gguf.add(0, loaded.rows(self.vocab_start, valid))
             return
+        if (self.keep_file_dtype and loaded.dtype.is_floating_point and loaded.dtype != param.dtype
+                and loaded.dtype.itemsize < param.dtype.itemsize):
+            param.data = torch.empty(param.shape, dtype=loaded.dtype, device=param.device)
         if (isinstance(loaded, CheckpointTensor) and loaded.mappable and valid == param.shape[0]
                 and loaded.dtype == param.dtype and param.device.type == "cpu" and param.numel() > 0):
             # Mapped, not read, where the file allows it: a lookup touches a few rows a step (the
@@ -66,10 +74,14 @@ class VocabParallelEmbedding(nn.Module, _VocabShard):
         self.gguf: GGUFLinear | None = None  # the file's own blocks (--quantization gguf); replaces the weight
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
         self.weight.weight_loader = self._load_vocab_rows
+        self.dtype = self.weight.dtype  # the rows' dtype, whatever the table is kept in
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of this rank's table."""
-        return self.gguf.lookup(ids) if self.gguf is not None else F.embedding(ids, self.weight)
+        if self.gguf is not None:
+            return self.gguf.lookup(ids)
+        rows = F.embedding(ids, self.weight)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

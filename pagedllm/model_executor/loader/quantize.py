@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import cpu_isa
+from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
 from pagedllm.model_executor.layers.linear import Linear
@@ -34,8 +35,9 @@ from pagedllm.model_executor.layers.quantization import (
     dequantize_int8,
     quantize_weight,
 )
-from pagedllm.model_executor.layers.vocab_embedding import LMHead
+from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader import quant_cache
+from pagedllm.transformers_utils.page_cache import drop_from_resident
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +109,10 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
             module.quant = quantize_weight(module.weight.data, linear_format, linear_max_rows(module.weight.dtype))
             meta[name] = _describe(module.quant, tensors, name)
         else:
-            weight = module.tied_to.weight if module.tied_to is not None else module.weight
+            weight = _head_weight(module)
             dynamic = DynamicInt8Quant(weight.data)
             tensors[f"{name}.dynamic.qweight"], tensors[f"{name}.dynamic.scale"] = dynamic.int8_weight()
-            few_rows = None
-            if head_format is not None:
-                few_rows = quantize_weight(weight.data, head_format, head_int4_max_rows(), write_back=False)
+            few_rows = _few_rows(weight, head_format)
             module.quant = QuantizedLMHead(dynamic, few_rows, top_k)
             meta[name] = {"top_k": top_k, "few_rows": few_rows and _describe(few_rows, tensors, f"{name}.few_rows")}
     if cache is not None:
@@ -122,6 +122,49 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
             logger.warning("could not write the quantization cache %s: %s", cache, e)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     logger.debug("quantized (%s): %.0f MB of quantized weights", mode, nbytes / 1e6)
+
+
+def keep_heads_in_file_dtype(model: nn.Module) -> None:
+    """Before a pre-quantized checkpoint is read on CPU: its float LM head and embedding will
+    only be looked up and re-scored by rows (`rank_float_heads`), so they stay mapped in the
+    file's dtype rather than copied into a float32 model's (1 GB for Llama-3.2-1B's table)."""
+    if cpu_kernels.kernels() is None:
+        return
+    for module in model.modules():
+        if isinstance(module, (VocabEmbedding, LMHead)) and getattr(module, "gguf", None) is None:
+            module.keep_file_dtype = True
+
+
+@torch.no_grad()
+def rank_float_heads(model: nn.Module) -> None:
+    """A pre-quantized checkpoint's float LM head (GPTQ, AWQ, FP8 and llm-compressor leave it
+    out) gets the ranking copies `--quantization int4` gives one, in place of oneDNN's packed
+    float copy: int4 for few rows and W8A8 for many, each row's top candidates re-scored from
+    the float weight, and the rows whose logprobs go back to a user computed from it whole.
+    For Llama-3.2-1B's tied 128,256 x 2,048 head that is 0.4 GB of copies, against a 1.05 GB
+    float32 packed copy beside a 1.05 GB float32 table; greedy picks are the float head's."""
+    if cpu_kernels.kernels() is None:
+        return
+    _, head_format, top_k = FORMATS["int4"]
+    for module in model.modules():
+        if isinstance(module, LMHead) and module.quant is None and module.gguf is None:
+            weight = _head_weight(module)
+            dynamic = DynamicInt8Quant(weight.data)
+            dynamic.int8_weight()  # where oneDNN's packed copy runs, the int8 one goes before the int4 one is made
+            release_freed_memory()  # and with it the slices' temporaries: together ~0.4 GB at 1B
+            module.quant = QuantizedLMHead(dynamic, _few_rows(weight, head_format), top_k, exact_rows=True)
+            drop_from_resident(weight.data)  # read once whole; from now on a few rows a step
+
+
+def _head_weight(module: LMHead) -> torch.Tensor:
+    return module.tied_to.weight if module.tied_to is not None else module.weight
+
+
+def _few_rows(weight: torch.Tensor, head_format: str | None) -> WeightOnlyQuant | None:
+    """The head's copy for few rows (int4 under `--quantization int4`)."""
+    if head_format is None:
+        return None
+    return quantize_weight(weight.data, head_format, head_int4_max_rows(), write_back=False)
 
 
 def _quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:

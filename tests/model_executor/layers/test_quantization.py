@@ -98,12 +98,21 @@ def test_chunked_quantization_equals_whole(monkeypatch, method, layout):
     w = _weight(160, 64)  # 64-row slices and a 32-row tail
     whole_w = w.clone()
     whole = qz.quantize_weight(whole_w, method, 4)
-    monkeypatch.setattr(qz, "_CHUNK_ROWS", 64)
+    monkeypatch.setattr(qz, "_CHUNK_BYTES", 64 * 64 * 4)
+    assert qz.chunk_rows(64) == 64
     chunked_w = w.clone()
     chunked = qz.quantize_weight(chunked_w, method, 4)
     assert whole.layout == chunked.layout == (layout if method == "int8" else "torch")  # int4 g64: torch's
     assert torch.equal(whole.qweight, chunked.qweight) and torch.equal(whole.scales, chunked.scales)
     assert torch.equal(whole_w, chunked_w)
+
+
+def test_chunked_w8a8_equals_whole(monkeypatch):
+    w = _weight(160, 64)
+    whole = qz.quantize_int8(w, qz.DynamicInt8Quant.weight_qmax())
+    monkeypatch.setattr(qz, "_CHUNK_BYTES", 64 * 64 * 4)
+    chunked = qz.DynamicInt8Quant(w).int8_weight()
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
 def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch, layout):
