@@ -126,8 +126,9 @@ def quantize_model(model: nn.Module, mode: str, cache: Path | None = None) -> No
 
 def keep_heads_in_file_dtype(model: nn.Module) -> None:
     """Before a pre-quantized checkpoint is read on CPU: its float LM head and embedding will
-    only be looked up and re-scored by rows (`rank_float_heads`), so they stay mapped in the
-    file's dtype rather than copied into a float32 model's (1 GB for Llama-3.2-1B's table)."""
+    only be looked up and re-scored by rows (`rank_float_heads`), so they stay in the file's
+    dtype (mapped where the file allows) rather than copied into a float32 model's (1 GB for
+    Llama-3.2-1B's table)."""
     if cpu_kernels.kernels() is None:
         return
     for module in model.modules():
