@@ -64,6 +64,17 @@ def quantize_int8(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def quantize_int8_in_slices(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8` of a big weight (an LM head), `chunk_rows` at a time into the whole: the
+    float32 temporaries stay one slice's."""
+    n, k = w.shape
+    q, scale = torch.empty((n, k), dtype=torch.int8), torch.empty(n, dtype=_KERNEL_DTYPE)
+    chunk = chunk_rows(k)
+    for i in range(0, n, chunk):
+        q[i : i + chunk], scale[i : i + chunk] = quantize_int8(w[i : i + chunk], qmax)
+    return q, scale
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
@@ -213,14 +224,8 @@ class DynamicInt8Quant(nn.Module):
         """From the float `weight`, or from its `quantized` (int8 weight, bf16 scale) as
         `int8_weight()` returned them (a cached copy)."""
         super().__init__()
-        if quantized is None:
-            # Quantized in slices into the whole, to bound temporaries, then packed for oneDNN.
-            n, k = weight.shape
-            quantized = torch.empty((n, k), dtype=torch.int8), torch.empty(n, dtype=_KERNEL_DTYPE)
-            chunk = chunk_rows(k)
-            for i in range(0, n, chunk):
-                q, s = quantize_int8(weight[i : i + chunk], self.weight_qmax())
-                quantized[0][i : i + chunk], quantized[1][i : i + chunk] = q, s
+        if quantized is None:  # then packed for oneDNN
+            quantized = quantize_int8_in_slices(weight, self.weight_qmax())
         qweight, scale = quantized
         self.out_features, self.in_features = qweight.shape
         self.qmax = self.weight_qmax()

@@ -27,7 +27,7 @@ from pagedllm.transformers_utils.weight_utils import iterate_weights
 
 logger = logging.getLogger(__name__)
 
-RELEASE_EVERY = 256 << 20  # bytes loaded (or repacked) between hand-backs of the heap's free memory
+RELEASE_EVERY = 64 << 20  # bytes loaded (or repacked) between hand-backs of the heap's free memory
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
