@@ -191,6 +191,7 @@ _inverse_cdf = CustomFn(_inverse_cdf_native, cpu=lambda probs, u: cpu_kernels.sa
 
 
 _ARGMAX_CHUNK = 1024
+_TOP_P_WIDTHS = (256, 4096)  # candidates a row's top-p nucleus is looked for in before a full sort
 
 
 def _argmax_native(logits: torch.Tensor) -> torch.Tensor:
@@ -263,13 +264,47 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is None:
         return logits
-    sorted_logits, idx = logits.sort(dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    # Drop the low tail whose mass is within 1 - top_p; always keep the top token.
-    drop = cum <= (1 - top_p).unsqueeze(1)
-    drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+    return _apply_top_p(logits, top_p)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's nucleus: its most likely tokens up to the first whose running mass (from the
+    top) reaches top_p, the top token always; -inf elsewhere. A token is kept while the mass
+    above it is under top_p, so where a row's top `width` tokens hold top_p of its mass the
+    nucleus lies among them: it is looked for in the top 256, then 4,096 (`topk`: ~0.3 and
+    ~1.2 ms a row over a 262,144-token vocabulary on a 2-vCPU EPYC), and only a row whose mass
+    is spread wider than that has its whole vocabulary sorted (~15-25 ms a row there). Each
+    row's path depends on its own values alone, and every path keeps the same set."""
+    out = logits.clone()
+    pending = torch.nonzero(top_p < 1.0).flatten()  # a row at 1.0 keeps every token
+    probs = logits[pending].softmax(dim=-1)
+    for width in _TOP_P_WIDTHS:
+        if not pending.numel() or width >= logits.shape[1]:
+            break
+        vals, ids = probs.topk(width, dim=-1)  # sorted, descending
+        keep, found = _nucleus(vals, top_p[pending])
+        if bool(found.any()):
+            rows, ids = pending[found], ids[found]
+            out[rows] = float("-inf")
+            out[rows.unsqueeze(1), ids] = torch.where(keep[found], logits[rows].gather(1, ids), float("-inf"))
+        pending, probs = pending[~found], probs[~found]
+    if pending.numel():
+        vals, ids = probs.sort(dim=-1, descending=True)
+        keep, _ = _nucleus(vals, top_p[pending])
+        out[pending] = float("-inf")
+        out[pending.unsqueeze(1), ids] = torch.where(keep, logits[pending].gather(1, ids), float("-inf"))
+    return out
+
+
+def _nucleus(vals: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row's top probabilities `vals` (descending): which are in its top-p nucleus,
+    and whether they reach top_p (so that every token after them is out). Running sums in
+    float64: near top_p = 1 the tail's probabilities are far below float32's rounding of 1."""
+    p = top_p.to(torch.float64).unsqueeze(1)
+    cum = vals.cumsum(dim=-1, dtype=torch.float64)
+    keep = cum - vals < p
+    keep[:, 0] = True
+    return keep, cum[:, -1] >= p.squeeze(1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

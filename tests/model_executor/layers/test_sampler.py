@@ -47,6 +47,39 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.isfinite(out).sum(-1).tolist() == [1, 1]
 
 
+def _sorted_nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus by sorting the whole row, its running mass in float64: the reference."""
+    vals, ids = logits.softmax(-1).sort(-1, descending=True)
+    keep = vals.double().cumsum(-1) - vals.double() < top_p.double().unsqueeze(1)
+    keep[:, 0] = True
+    keep[top_p >= 1] = True
+    return torch.zeros_like(keep).scatter_(1, ids, keep)
+
+
+def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus_on_every_path():
+    """Peaked rows find their nucleus in the top 256 or 4,096 tokens, flat ones by sorting the
+    whole vocabulary; a row's kept set and logits are the reference's whatever path it takes and
+    whatever rows share its batch."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 65536
+    rows = []
+    for scale in (0.5, 3.0, 6.0, 12.0):  # flat (full sort) ... peaked (the top 256)
+        x = torch.randn(4, vocab, generator=gen) * scale
+        x[:, :10] += 5
+        rows.append(x)
+    logits = torch.cat(rows)
+    top_p = torch.tensor([0.5, 0.95, 0.999, 1.0] * 4)
+    out = apply_top_k_top_p(logits, None, top_p)
+    kept = out.isfinite()
+    assert torch.equal(kept, _sorted_nucleus(logits, top_p))
+    assert torch.equal(out[kept], logits[kept])
+    sizes = kept.sum(-1)
+    assert sizes[3::4].eq(vocab).all()  # top_p 1.0: off
+    assert sizes.max() > 4096 and ((sizes > 256) & (sizes < 4096)).any() and sizes.min() < 256  # each path ran
+    for i in range(logits.shape[0]):  # alone, each row keeps the same
+        assert torch.equal(apply_top_k_top_p(logits[i : i + 1], None, top_p[i : i + 1]), out[i : i + 1])
+
+
 def test_greedy_rows_take_argmax_in_mixed_batch():
     logits = torch.randn(4, 30)
     out = Sampler()(logits, _md(4, greedy=[True, False, True, False])).sampled_token_ids
