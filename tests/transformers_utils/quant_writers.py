@@ -201,3 +201,37 @@ def config_8bit(method: str, fmt: str = "", strategy: str = "channel", group: in
                 "num_bits": 8, "type": kind, "symmetric": True, "dynamic": False, "strategy": strategy,
                 "group_size": group if strategy == "group" else None,
                 "block_structure": list(block) if strategy == "block" else None}}}}
+
+
+def write_tiny_llama(dst: Path, vocab_size: int | None, tie_word_embeddings: bool,
+                     dtype: torch.dtype = torch.float32) -> None:
+    """A 2-layer Llama (hidden 256) with normal(0, 0.1) random matrices, saved in `dtype` at
+    `dst` beside the tests' tokenizer (`vocab_size` None: the tokenizer's): the float source
+    the writers above quantize."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.utils import build_tokenizer
+
+    tokenizer = build_tokenizer(str(dst))
+    config = LlamaConfig(vocab_size=vocab_size or len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.to(dtype).save_pretrained(dst)
+
+
+def write_dequantized(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`src`'s config and tokenizer with `tensors` (a writer's dequantized weights) in float32 as
+    its weights: the checkpoint transformers runs as the reference."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.transformers_utils.quant_writers import write_8bit
+from tests.transformers_utils.quant_writers import write_8bit, write_dequantized, write_tiny_llama
 from tests.utils import assert_greedy_match, build_tokenizer, hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 200, 13], list(range(1, 18))]
@@ -33,32 +33,13 @@ def _kernels() -> None:
 def w8a8_tied(tmp_path_factory) -> tuple[Path, list[dict]]:
     """A tied Llama in bf16 written as compressed-tensors W8A8, and transformers' greedy
     reference on its dequantized weights in float32."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     root = tmp_path_factory.mktemp("tied")
     src = root / "float"
-    build_tokenizer(str(src))
-    config = LlamaConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=256,
-                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(src)
+    write_tiny_llama(src, VOCAB, tie_word_embeddings=True, dtype=torch.bfloat16)
     path = root / "w8a8"
     ref = write_8bit(src, path, method="compressed-tensors", fmt="int-quantized", strategy="channel")
-    dequantized = root / "dequantized"
-    dequantized.mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dequantized / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.float().contiguous() for k, v in ref.items()}, str(dequantized / "model.safetensors"),
-              metadata={"format": "pt"})
-    return path, hf_greedy(str(dequantized), PROMPTS, MAX_TOKENS)
+    write_dequantized(src, root / "dequantized", ref)
+    return path, hf_greedy(str(root / "dequantized"), PROMPTS, MAX_TOKENS)
 
 
 def _run(path: Path, params) -> tuple[list, torch.nn.Module | None]:

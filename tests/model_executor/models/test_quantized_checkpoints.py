@@ -10,11 +10,10 @@ models that moves a logprob by up to ~0.1, so their tokens agree up to ties that
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear
-from tests.transformers_utils.quant_writers import write_8bit, write_quantized
-from tests.utils import assert_greedy_match, build_tokenizer, hf_greedy
+from tests.transformers_utils.quant_writers import write_8bit, write_dequantized, write_quantized, write_tiny_llama
+from tests.utils import assert_greedy_match, hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 200, 13], list(range(1, 18))]
 MAX_TOKENS = 10
@@ -34,37 +33,17 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def float_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     src = tmp_path_factory.mktemp("float")
-    tok = build_tokenizer(str(src))
-    config = LlamaConfig(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=256,
-                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(src)
+    write_tiny_llama(src, None, tie_word_embeddings=False)
     return src
 
 
 def quantized(float_model, root, case: dict):
     """(the checkpoint's directory, the greedy reference on its dequantized weights)"""
-    from safetensors.torch import save_file
-
     path = root / "quantized"
     ref = (write_8bit if "fmt" in case or case["method"] == "fp8" else write_quantized)(float_model, path, **case)
-    dequantized = root / "dequantized"
-    dequantized.mkdir()
-    for f in float_model.iterdir():
-        if f.name != "model.safetensors":
-            (dequantized / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in ref.items()}, str(dequantized / "model.safetensors"),
-              metadata={"format": "pt"})
-    return path, hf_greedy(str(dequantized), PROMPTS, MAX_TOKENS)
+    write_dequantized(float_model, root / "dequantized", ref)
+    return path, hf_greedy(str(root / "dequantized"), PROMPTS, MAX_TOKENS)
 
 
 # Float8 weights are blocked with a rounding of their smallest values (int_blocks.float_blocks),
