@@ -38,7 +38,6 @@ from pagedllm.model_executor.layers.quantization import (
 )
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader import quant_cache
-from pagedllm.transformers_utils.page_cache import drop_from_resident
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +159,6 @@ def rank_float_heads(model: nn.Module) -> None:
             dynamic.int8_weight()  # where oneDNN's packed copy runs, the int8 one goes before the int4 one is made
             release_freed_memory()
             module.quant = QuantizedLMHead(dynamic, _few_rows(weight, head_format), top_k, exact_rows=True)
-            drop_from_resident(weight.data)  # read once whole; from now on a few rows a step
 
 
 def _head_weight(module: LMHead) -> torch.Tensor:
