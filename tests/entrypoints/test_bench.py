@@ -90,6 +90,15 @@ def test_latency(model_dir: str, tmp_path, capsys) -> None:
     assert "TTFT:" in printed and "TPOT:" in printed and "Avg latency:" in printed
 
 
+def test_latency_with_sampling(model_dir: str) -> None:
+    args = _parse(["bench", "latency", *_engine_flags(model_dir), "--input-len", str(INPUT_LEN), "--output-len",
+                   str(OUTPUT_LEN), "--num-iters-warmup", "0", "--num-iters", "1", "--temperature", "0.8",
+                   "--top-p", "0.95", "--top-k", "50"])
+    m = run_latency(args)
+    assert m["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+    assert m["num_output_tokens"] == OUTPUT_LEN and m["avg_tpot_ms"] > 0
+
+
 def test_throughput_sampling_with_greedy_baseline(model_dir: str, capsys) -> None:
     args = _parse(["bench", "throughput", *_engine_flags(model_dir), "--num-prompts", str(NUM_PROMPTS),
                    "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--temperature", "0.8",

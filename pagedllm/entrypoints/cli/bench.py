@@ -39,9 +39,7 @@ def add_bench_parser(subparsers) -> None:
                     help='JSON/JSONL of {"prompt": ...} or a text file, one prompt per line')
     tp.add_argument("--backend", choices=["pagedllm", "transformers"], default="pagedllm")
     tp.add_argument("--hf-batch-size", type=int, default=16, help="transformers backend batch size")
-    tp.add_argument("--temperature", type=float, default=0.0)
-    tp.add_argument("--top-p", type=float, default=1.0)
-    tp.add_argument("--top-k", type=int, default=0)
+    _add_sampling_args(tp)
     tp.add_argument("--compare-greedy", action="store_true",
                     help="also time the same workload greedily in the same engine, right before: sampling cost "
                          "without the process-to-process variation (~10%% here)")
@@ -62,6 +60,7 @@ def add_bench_parser(subparsers) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--num-iters", type=int, default=3)
     lat.add_argument("--output-json", default=None)
+    _add_sampling_args(lat)
     _add_structured_output_arg(lat)
     lat.set_defaults(func=_latency_cmd)
 
@@ -70,6 +69,13 @@ def add_bench_parser(subparsers) -> None:
 
     add_bench_serve_parser(sub)
     add_bench_compare_parser(sub)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Every request's sampling (greedy by default; seeded rows take --seed)."""
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
 
 
 def _add_structured_output_arg(parser: argparse.ArgumentParser) -> None:
@@ -309,7 +315,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
     startup = time.perf_counter() - start
-    params = _sampling_params(args, temperature=0.0)
+    params = _sampling_params(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
     def one_iter() -> tuple[float, list[Any]]:
         llm.llm_engine.reset_prefix_cache()  # each iteration must prefill from scratch
@@ -341,6 +347,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_iters": args.num_iters,
+        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k},
         "num_output_tokens": num_output // args.num_iters,  # per iteration
         "startup_time_s": startup,
         "avg_latency_s": avg_latency,
