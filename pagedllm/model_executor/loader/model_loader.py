@@ -93,7 +93,7 @@ def _releasing(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as they come, the heap's free memory handed back to the OS each
     `RELEASE_EVERY` bytes loaded: a worker keeps its freed memory for its steps (`cpu_malloc`),
     so a load's temporaries (a quantized module's parts and their repack) would otherwise stay
-    resident to its end (0.6 GB for a 1B FP8 checkpoint)."""
+    resident to its end (1.1 GiB at the end of a 1B FP8 checkpoint's load)."""
     since_release = 0
     for name, tensor in weights:
         yield name, tensor  # loaded by the consumer before it asks for the next
