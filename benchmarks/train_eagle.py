@@ -245,6 +245,8 @@ def main() -> None:
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
                     help="the target layers whose input the head reads (default: vLLM's 2, L/2, L-3)")
     args = ap.parse_args()
+    if not 0.0 <= args.self_written <= 1.0:
+        ap.error(f"--self-written is a share of the prompts, in [0, 1]; got {args.self_written}")
 
     from pagedllm import LLM
 

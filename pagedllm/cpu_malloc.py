@@ -74,6 +74,22 @@ def release_freed_memory() -> None:
         functions[1](0)
 
 
+class PeriodicRelease:
+    """`release_freed_memory` once every `every` bytes of work counted with `add`: a load that
+    frees as it goes (while a worker keeps freed memory) then holds at most that much."""
+
+    __slots__ = ("every", "since")
+
+    def __init__(self, every: int) -> None:
+        self.every, self.since = every, 0
+
+    def add(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since >= self.every:
+            release_freed_memory()
+            self.since = 0
+
+
 def _user_tuned() -> bool:
     return any(envs.is_set(name) for name in _USER_TUNED) or "glibc.malloc" in envs.GLIBC_TUNABLES
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import cpu_isa
+from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.forward_context import get_exact_logit_rows
 from pagedllm.model_executor.custom_op import CustomFn, platform_of
 from pagedllm.model_executor.layers import cpu_kernels
@@ -224,8 +225,9 @@ class DynamicInt8Quant(nn.Module):
         """From the float `weight`, or from its `quantized` (int8 weight, bf16 scale) as
         `int8_weight()` returned them (a cached copy)."""
         super().__init__()
-        if quantized is None:  # then packed for oneDNN
+        if quantized is None:  # the slices' temporaries handed back before oneDNN's packed copy is made
             quantized = quantize_int8_in_slices(weight, self.weight_qmax())
+            release_freed_memory()
         qweight, scale = quantized
         self.out_features, self.in_features = qweight.shape
         self.qmax = self.weight_qmax()

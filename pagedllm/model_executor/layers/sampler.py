@@ -286,13 +286,13 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         if bool(found.any()):
             rows, ids = pending[found], ids[found]
             out[rows] = float("-inf")
-            out[rows.unsqueeze(1), ids] = torch.where(keep[found], logits[rows].gather(1, ids), float("-inf"))
+            out[rows.unsqueeze(1), ids] = torch.where(keep[found], logits[rows.unsqueeze(1), ids], float("-inf"))
         pending, probs = pending[~found], probs[~found]
     if pending.numel():
         vals, ids = probs.sort(dim=-1, descending=True)
         keep, _ = _nucleus(vals, top_p[pending])
         out[pending] = float("-inf")
-        out[pending.unsqueeze(1), ids] = torch.where(keep, logits[pending].gather(1, ids), float("-inf"))
+        out[pending.unsqueeze(1), ids] = torch.where(keep, logits[pending.unsqueeze(1), ids], float("-inf"))
     return out
 
 

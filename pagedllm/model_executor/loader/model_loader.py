@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.config import ModelConfig, check_quantization
-from pagedllm.cpu_malloc import release_freed_memory
+from pagedllm.cpu_malloc import PeriodicRelease, release_freed_memory
 from pagedllm.model_executor.layers.gguf_linear import GGUFLinear, GGUFRankedHead
 from pagedllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.model_executor.loader.cpu_pack import pack_model
@@ -94,14 +94,11 @@ def _releasing(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     `RELEASE_EVERY` bytes loaded: a worker keeps its freed memory for its steps (`cpu_malloc`),
     so a load's temporaries (a quantized module's parts and their repack) would otherwise stay
     resident to its end (1.1 GiB at the end of a 1B FP8 checkpoint's load)."""
-    since_release = 0
+    release = PeriodicRelease(RELEASE_EVERY)
     for name, tensor in weights:
         yield name, tensor  # loaded by the consumer before it asks for the next
         shape, dtype = getattr(tensor, "shape", None), getattr(tensor, "dtype", None)
-        since_release += shape.numel() * dtype.itemsize if shape is not None and dtype is not None else 0
-        if since_release >= RELEASE_EVERY:
-            release_freed_memory()
-            since_release = 0
+        release.add(shape.numel() * dtype.itemsize if shape is not None and dtype is not None else 0)
 
 
 def _finish_gguf(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:
@@ -145,13 +142,11 @@ def _repack(linears: list[GGUFLinear]) -> None:
         at += -(-out.numel() // 64) * 64
         return out
 
-    repacked = since_release = 0
+    repacked, release = 0, PeriodicRelease(RELEASE_EVERY)
     for gguf in linears:  # each linear's old blocks freed as it goes: handed back, not kept to the end
         done = gguf.repack(alloc)
-        repacked, since_release = repacked + done, since_release + done
-        if since_release >= RELEASE_EVERY:
-            release_freed_memory()
-            since_release = 0
+        repacked += done
+        release.add(done)
     logger.info("GGUF: %.2f GB of Q4_K / Q6_K / Q5_0 / Q4_0 weights repacked for decode in %.1f s", repacked / 1e9,
                 time.perf_counter() - start)
 
