@@ -160,6 +160,31 @@ void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k
         gg_dequantize_row(type, w + (rows ? rows[i] : i) * row_bytes, k, out, out_bf16, i * ldo);
 }
 
+/* ---------- re-scoring an LM head's candidates from its blocks ----------
+ * logits[r, idx[r, j]] = hidden[r] . row idx[r, j] of W for j < topk, in float32: each row
+ * dequantized as pl_gguf_dequantize gives it in hidden's dtype (a bf16 model's weights are bf16
+ * values), into a thread's buffer, then one dot product, as pl_rescore_logits takes a float
+ * weight's. A task is one (row, candidate): its value depends on nothing else in the batch. */
+void pl_gguf_rescore(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const void *hidden, int h_bf16,
+                     int64_t rows, const int64_t *idx, int64_t topk, void *logits, int l_bf16, int64_t vocab,
+                     int nthreads) {
+    if (!gg_block_values(type) || k % gg_block_values(type)) return; /* gguf_ops checks these */
+#pragma omp parallel num_threads(nthreads) if (rows * topk * k >= (1 << 16))
+    {
+        void *buf = aligned_alloc(64, (size_t)(4 * k + 63) / 64 * 64);
+#pragma omp for schedule(static)
+        for (int64_t rj = 0; rj < rows * topk; rj++) {
+            int64_t r = rj / topk, id = idx[rj];
+            gg_dequantize_row(type, w + id * row_bytes, k, buf, h_bf16, 0);
+            vf acc = vzero();
+            for (int64_t c = 0; c < k; c += VL)
+                acc = vfmadd(vload(hidden, h_bf16, r * k + c, k - c), vload(buf, h_bf16, c, k - c), acc);
+            store1(logits, l_bf16, r * vocab + id, vhsum(acc));
+        }
+        free(buf);
+    }
+}
+
 /* ---------- activations: int8 blocks of 32 (gg_act, gguf_blocks.h) ---------- */
 #if defined(PL_AVX512) || defined(PL_AVX2)
 INLINE __m256 gg_load8(const void *x, int bf16, int64_t i) {

@@ -37,9 +37,14 @@ void pl_u8s8_rank(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t 
                   const int32_t *w_sum, int64_t n, void *y, int y_bf16, int nthreads);
 void pl_i8_row_sums(const int8_t *w, int64_t n, int64_t k, int32_t *out, int nthreads);
 
-/* gguf.c: a GGUF tensor's rows to floats, and the linear over its blocks (type: ggml's type id) */
+/* gguf.c: a GGUF tensor's rows to floats, an LM head's candidates re-scored from its blocks, and the
+ * linear over its blocks (type: ggml's type id) */
 void pl_gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const int64_t *rows, int64_t count,
                         void *out, int out_bf16, int64_t ldo, int nthreads);
+/* logits[r, idx[r, j]] = hidden[r] . row idx[r, j] of W (dequantized in hidden's dtype), j < topk */
+void pl_gguf_rescore(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const void *hidden, int h_bf16,
+                     int64_t rows, const int64_t *idx, int64_t topk, void *logits, int l_bf16, int64_t vocab,
+                     int nthreads);
 /* gguf_x8.c: n (a multiple of 8) Q4_K / Q6_K / Q5_0 / Q4_0 rows repacked 8 at a time (type | GG_X8
  * for the linear); out: n rows of units (k / 256 super-blocks, k / 32 legacy blocks), contiguous */
 void pl_gguf_repack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out, int nthreads);

@@ -263,6 +263,10 @@ class GGUFRankedHead(nn.Module):
         else:
             logits, top_k = self.few_rows.rank(hidden), self.top_k
         idx = top_k_indices(logits, top_k)
+        seg = self.blocks.segments[0]
+        if self.blocks.input_perm is None and gguf_ops.gguf_rescore(seg.qtype, seg.weight, self.blocks.in_features,
+                                                                     logits, idx, hidden):
+            return logits
         m, k = idx.shape
         rows = self.blocks.lookup(idx.reshape(-1)).view(m, k, -1).to(hidden.dtype)
         exact = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)

@@ -162,6 +162,25 @@ def gguf_dequantize(qtype: int, weight: torch.Tensor, k: int, rows: torch.Tensor
     return out
 
 
+def gguf_rescore(qtype: int, weight: torch.Tensor, k: int, logits: torch.Tensor, idx: torch.Tensor,
+                 hidden: torch.Tensor) -> bool:
+    """In place: logits[r, idx[r, j]] = hidden[r] . row idx[r, j] of the weight, dequantized in
+    hidden's dtype, as `gguf_dequantize` gives it (an LM head's candidates re-scored from its own
+    blocks, with no [rows, candidates, k] gather). False, with nothing done, where the kernels
+    cannot take these tensors."""
+    if not (_on_kernels(weight) and hidden.dtype in (torch.float32, torch.bfloat16)
+            and logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous()
+            and idx.dtype == torch.int64 and idx.dim() == 2 and idx.shape[0] == hidden.shape[0] == logits.shape[0]):
+        return False
+    _, row_bytes = _layout(qtype, weight, k)
+    hidden, idx = hidden.contiguous(), idx.contiguous()
+    cpu_kernels.kernels().pl_gguf_rescore(qtype, weight.data_ptr(), row_bytes, k, hidden.data_ptr(),
+                                          cpu_kernels._is_bf16(hidden), hidden.shape[0], idx.data_ptr(), idx.shape[1],
+                                          logits.data_ptr(), cpu_kernels._is_bf16(logits), logits.shape[1],
+                                          torch.get_num_threads())
+    return True
+
+
 def can_repack(qtype: int, weight: torch.Tensor) -> bool:
     """Whether `repack` takes this weight: a Q4_K / Q6_K / Q5_0 / Q4_0 tensor of whole groups of 8
     rows, on the CPU, with the kernels built."""

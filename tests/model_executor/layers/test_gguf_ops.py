@@ -163,6 +163,31 @@ def test_dequantize_equals_gguf_py(qtype):
 
 
 @uses_kernels
+@pytest.mark.parametrize("qtype", [6, 8, 12, 14])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rescore_gives_candidates_their_dequantized_rows_products(qtype, dtype):
+    """An LM head's candidates re-scored from its blocks: each named logit becomes hidden . its
+    row as gguf_dequantize gives it in hidden's dtype, the others stay, and a row's values do
+    not depend on the other rows of the call."""
+    k = 512
+    w = torch.from_numpy(_weight(qtype, N, k, seed=6))
+    hidden = torch.randn(3, k, generator=torch.Generator().manual_seed(qtype)).to(dtype)
+    idx = torch.tensor([[5, 0, 47, 12], [1, 2, 3, 4], [47, 46, 45, 5]])
+    logits = torch.full((3, N), 7.0, dtype=dtype)
+    if not gguf_ops.gguf_rescore(qtype, w, k, logits, idx, hidden):
+        assert not _kernels_built()
+        return
+    want = hidden.double() @ gguf_ops.gguf_dequantize(qtype, w, k, dtype=dtype).double().T
+    chosen = torch.zeros(3, N, dtype=torch.bool).scatter_(1, idx, True)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # the stored logit's rounding
+    torch.testing.assert_close(logits.double()[chosen], want[chosen], rtol=tol, atol=tol)
+    assert (logits[~chosen] == 7.0).all()
+    alone = torch.full((1, N), 7.0, dtype=dtype)
+    assert gguf_ops.gguf_rescore(qtype, w, k, alone, idx[2:], hidden[2:])
+    assert torch.equal(alone, logits[2:])
+
+
+@uses_kernels
 @pytest.mark.parametrize("qtype", [8, 12, 14])
 def test_non_finite_activations_give_nan_rows(qtype):
     k = 256
