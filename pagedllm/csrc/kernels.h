@@ -61,11 +61,12 @@ void pl_qk_norm_rope(const void *qkv, int bf16, int64_t T, int64_t row_stride, i
 void pl_act_and_mul(const void *x, int bf16, int64_t rows, int64_t d, int act, void *out, int nthreads);
 
 /* sampling.c: top-k indices and argmax over logits rows, exact re-scoring of chosen logits, a
- * random draw per row from probabilities */
+ * random draw per row from probabilities, each row's top-p nucleus (keep: 1 byte a token) */
 void pl_topk_indices(const void *x, int bf16, int64_t rows, int64_t n, int64_t k, int64_t *out, int nthreads);
 void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim, const void *weight, int w_bf16,
                        const int64_t *idx, int64_t k, void *logits, int l_bf16, int64_t vocab, int nthreads);
 void pl_argmax_rows(const void *x, int bf16, int64_t rows, int64_t n, int64_t stride, int64_t *out, int nthreads);
 void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const double *u, int64_t *out, int nthreads);
+void pl_top_p_keep(const float *probs, int64_t rows, int64_t n, const double *top_p, uint8_t *keep, int nthreads);
 
 #endif /* PAGEDLLM_KERNELS_H */

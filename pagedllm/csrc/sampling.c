@@ -1,4 +1,4 @@
-/* Over the logits: top-k selection, re-scoring chosen logits, argmax. */
+/* Over the logits: top-k selection, re-scoring chosen logits, argmax, the top-p nucleus, a draw. */
 #include "common.h"
 
 /* ---------- top-k indices per row (any order) ----------
@@ -140,5 +140,74 @@ void pl_sample_from_probs(const float *probs, int64_t rows, int64_t n, const dou
         }
         out[r] = choice;
         free(cum);
+    }
+}
+
+/* ---------- top-p nucleus per row, without a sort ----------
+ * keep[r, i] = 1 for the tokens of row r's nucleus: those whose mass above them (every likelier
+ * token's probability, in descending order) is under top_p[r]; every token where the row's
+ * mass does not reach top_p. A positive float's bits rise with its value, so their top 13
+ * (exponent and 4 mantissa bits: buckets ~4% wide) bucket a row in one pass, each bucket's mass
+ * summed in double. Buckets above the one where the running mass (from the top) reaches top_p
+ * are kept whole, those below dropped; only that bucket's tokens are sorted (probability
+ * descending, then index), and kept while the mass above them is under top_p. Zeros, negative
+ * values and -0.0 go to bucket 0, NaN and inf to the top one. */
+#define NUCLEUS_BUCKETS 4096
+
+typedef struct {
+    float p;
+    int64_t i;
+} nucleus_tok;
+
+static int nucleus_cmp(const void *a, const void *b) {
+    const nucleus_tok *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+INLINE int nucleus_bucket(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if (bits >> 31 || bits == 0) return 0;
+    return bits >= 0x7F800000u ? NUCLEUS_BUCKETS - 1 : (int)(bits >> 19);
+}
+
+void pl_top_p_keep(const float *probs, int64_t rows, int64_t n, const double *top_p, uint8_t *keep, int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(rows > 1 ? nthreads : 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = probs + r * n;
+        uint8_t *k = keep + r * n;
+        double *mass = calloc(NUCLEUS_BUCKETS, sizeof(double));
+        int64_t *count = calloc(NUCLEUS_BUCKETS, sizeof(int64_t));
+        for (int64_t i = 0; i < n; i++) {
+            int b = nucleus_bucket(p[i]);
+            mass[b] += (double)p[i];
+            count[b]++;
+        }
+        const double tp = top_p[r];
+        double above = 0.0;
+        int cut = -1; /* the bucket where the running mass reaches top_p; -1: it never does */
+        for (int b = NUCLEUS_BUCKETS - 1; b >= 0; b--) {
+            if (above + mass[b] >= tp) {
+                cut = b;
+                break;
+            }
+            above += mass[b];
+        }
+        nucleus_tok *edge = malloc((size_t)(cut >= 0 && count[cut] ? count[cut] : 1) * sizeof(nucleus_tok));
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int b = nucleus_bucket(p[i]);
+            k[i] = b > cut;
+            if (b == cut) edge[m].p = p[i], edge[m++].i = i;
+        }
+        qsort(edge, (size_t)m, sizeof(nucleus_tok), nucleus_cmp);
+        for (int64_t j = 0; j < m; j++) {
+            k[edge[j].i] = above < tp;
+            above += (double)edge[j].p;
+        }
+        free(edge);
+        free(count);
+        free(mass);
     }
 }

@@ -591,6 +591,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def top_p_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p nucleus ([rows, n] bool) from its probabilities (float32, summing to 1):
+    the tokens whose likelier tokens' mass is under top_p[r], summed in double; with no sort of
+    the row (sampling.c)."""
+    probs, top_p = probs.float().contiguous(), top_p.double().contiguous()
+    rows, n = probs.shape
+    keep = torch.empty(rows, n, dtype=torch.bool)
+    kernels().pl_top_p_keep(probs.data_ptr(), rows, n, top_p.data_ptr(), keep.data_ptr(), torch.get_num_threads())
+    return keep
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     num_heads: int,

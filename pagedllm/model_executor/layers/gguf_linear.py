@@ -27,8 +27,8 @@ from pagedllm.model_executor.layers.quantization import (
     int4_group_size,
     quantize_int8,
     quantize_weight,
-    top_k_indices,
 )
+from pagedllm.model_executor.layers.sampler import top_k_indices
 from pagedllm.transformers_utils.page_cache import drop_from_resident
 
 

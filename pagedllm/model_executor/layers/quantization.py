@@ -26,9 +26,10 @@ from torch import nn
 from pagedllm import cpu_isa
 from pagedllm.cpu_malloc import release_freed_memory
 from pagedllm.forward_context import get_exact_logit_rows
-from pagedllm.model_executor.custom_op import CustomFn, platform_of
+from pagedllm.model_executor.custom_op import platform_of
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.model_executor.layers.cpu_gemm import onednn_has_bf16
+from pagedllm.model_executor.layers.sampler import top_k_indices
 
 INT4_GROUP_SIZES = (128, 64, 32)  # the kernel takes 32, 64, 128 or 256; the largest that fits is fastest
 _INT4_ROW_MULTIPLE = 16  # the int4 packing wants out_features % 16 == 0
@@ -278,14 +279,6 @@ class DynamicInt8Quant(nn.Module):
             "none", [], "",
         )
         return out.mul_(scale.to(self.out_dtype)).to(x.dtype)
-
-
-def _top_k_native(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's k best indices, in any order (ties: any valid choice)."""
-    return logits.topk(k, dim=-1).indices
-
-
-top_k_indices = CustomFn(_top_k_native, cpu=lambda logits, k: cpu_kernels.topk_indices(logits, k))
 
 
 # Candidates re-scored when W8A8 ranked them: its logits are ~10x closer to the float head's

@@ -112,12 +112,20 @@ class Sampler:
         out = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         top_k = md.top_k if md.top_k is not None else torch.zeros(num_rows, dtype=torch.long, device=logits.device)
         random_rows = ~md.greedy
+        nucleus = random_rows & (top_k == 0)
+        if md.top_p is None:
+            nucleus = torch.zeros_like(nucleus)
+        else:
+            nucleus &= md.top_p < 1.0
+            if md.min_p is not None:  # min-p renormalises before the nucleus is taken: the full path
+                nucleus &= md.min_p <= 0.0
         # The path depends only on the row's own parameters, so a seeded row draws the
         # same numbers whatever else is in the batch.
         paths = (
             (md.greedy, None),
             (random_rows & (top_k > 0), self._sample_top_k),
-            (random_rows & (top_k == 0), self._sample_full),
+            (nucleus, self._sample_top_p),
+            (random_rows & (top_k == 0) & ~nucleus, self._sample_full),
         )
         for rows, sample in paths:
             idx = torch.nonzero(rows).flatten()
@@ -136,7 +144,7 @@ class Sampler:
         never sorting or normalising the whole vocabulary."""
         k = md.top_k[idx]
         widths = k.tolist()  # one device sync for the widths and their maximum
-        vals, ids = logits.topk(max(widths), dim=-1)  # sorted, descending; order is scale-free
+        vals, ids = top_candidates(logits, min(max(widths), logits.shape[1]))  # order is scale-free
         vals = vals.float() / md.temperature[idx].unsqueeze(1)
         vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device) >= k.unsqueeze(1), float("-inf"))
         if md.min_p is not None:  # p / p_max does not depend on the normalisation
@@ -147,6 +155,31 @@ class Sampler:
             probs = probs.masked_fill(mass_above >= md.top_p[idx].unsqueeze(1), 0.0)
         choice = self._random_draw(probs, gens)
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    def _sample_top_p(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
+        """Rows with top-p alone: each row's nucleus looked for among its `_TOP_P_WIDTHS[0]`
+        likeliest tokens, their probabilities taken against the whole row's normaliser (one
+        pass), and the draw made among them; a row whose top-p mass lies wider takes the full
+        path (`sampling_probs`). No [rows, vocab] softmax, clone or draw where the nucleus is
+        narrow, as it is for most rows of a chat model. Which path a row takes depends on its
+        own logits alone."""
+        temp = md.temperature[idx].unsqueeze(1)
+        vals, ids = top_candidates(logits, min(_TOP_P_WIDTHS[0], logits.shape[1]))
+        # As sampling_probs scales them; the row's log normaliser over its whole vocabulary.
+        norm = torch.logsumexp(logits.float() / temp, dim=-1, keepdim=True)
+        probs = (vals.float() / temp - norm).exp()
+        keep, found = _nucleus(probs, md.top_p[idx])
+        out = torch.empty(len(idx), dtype=torch.long, device=logits.device)
+        for rows, narrow in ((torch.nonzero(found).flatten(), True), (torch.nonzero(~found).flatten(), False)):
+            if not rows.numel():
+                continue
+            own = {j: gens[int(r)] for j, r in enumerate(rows.tolist()) if int(r) in gens}
+            if narrow:
+                choice = self._random_draw(probs[rows].masked_fill(~keep[rows], 0.0), own)
+                out[rows] = ids[rows].gather(1, choice.unsqueeze(1)).squeeze(1)
+            else:
+                out[rows] = self._sample_full(logits[rows], idx[rows], md, own)
+        return out
 
     def _sample_full(self, logits: torch.Tensor, idx: torch.Tensor, md: SamplingMetadata, gens) -> torch.Tensor:
         return self._random_draw(sampling_probs(logits, md, idx), gens)
@@ -218,6 +251,24 @@ greedy_argmax = CustomFn(_argmax_native, cpu=lambda logits: cpu_kernels.argmax_r
                          cuda=lambda logits: logits.argmax(dim=-1))
 
 
+def _top_k_native(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k best indices, in any order (ties: any valid choice)."""
+    return logits.topk(k, dim=-1).indices
+
+
+# Each row's k best indices in any order: on CPU one pass of a heap (earlier index first among
+# equal values), 20-40x faster than torch.topk's partial sort over [64, 262144] logits.
+top_k_indices = CustomFn(_top_k_native, cpu=lambda logits, k: cpu_kernels.topk_indices(logits, k))
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logits, sorted descending (among equal values, the order
+    `top_k_indices` gives them), and their ids."""
+    ids = top_k_indices(logits, k)
+    vals, order = logits.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
 def sampling_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
     """The distribution a random row is drawn from, given its processed logits ([len(rows), V]) and
     metadata rows `rows`: temperature, top-k, min-p, top-p, in that order; [len(rows), V] float32.
@@ -269,31 +320,40 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Each row's nucleus: its most likely tokens up to the first whose running mass (from the
-    top) reaches top_p, the top token always; -inf elsewhere. A token is kept while the mass
-    above it is under top_p, so where a row's top `width` tokens hold top_p of its mass the
-    nucleus lies among them: it is looked for in the top 256, then 4,096 (`topk`: ~0.3 and
-    ~1.2 ms a row over a 262,144-token vocabulary on a 2-vCPU EPYC), and only a row whose mass
-    is spread wider than that has its whole vocabulary sorted (~15-25 ms a row there). Each
-    row's path depends on its own values alone, and every path keeps the same set."""
+    top) reaches top_p, the top token always; -inf elsewhere. Rows at top_p 1.0 keep every token."""
     out = logits.clone()
-    pending = torch.nonzero(top_p < 1.0).flatten()  # a row at 1.0 keeps every token
-    probs = logits[pending].softmax(dim=-1)
+    pending = torch.nonzero(top_p < 1.0).flatten()
+    if pending.numel():
+        rows = logits[pending]
+        keep = nucleus_keep(rows.softmax(dim=-1), top_p[pending])
+        out[pending] = rows.masked_fill(~keep, float("-inf"))
+    return out
+
+
+def _nucleus_keep_native(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens are in each row's top-p nucleus ([rows, vocab] bool), from its probabilities.
+    A token is kept while the mass above it is under top_p, so where a row's top `width` tokens
+    hold top_p of its mass the nucleus lies among them: it is looked for in the top 256, then
+    4,096 (`topk`), and only a row whose mass is spread wider has its whole vocabulary sorted.
+    Each row's path depends on its own values alone, and every path keeps the same set. (On
+    CPU the C kernel finds it in two passes with no sort: `cpu_kernels.top_p_keep`.)"""
+    keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
+    pending = torch.arange(probs.shape[0], device=probs.device)
     for width in _TOP_P_WIDTHS:
-        if not pending.numel() or width >= logits.shape[1]:
+        if not pending.numel() or width >= probs.shape[1]:
             break
         vals, ids = probs.topk(width, dim=-1)  # sorted, descending
-        keep, found = _nucleus(vals, top_p[pending])
-        if bool(found.any()):
-            rows, ids = pending[found], ids[found]
-            out[rows] = float("-inf")
-            out[rows.unsqueeze(1), ids] = torch.where(keep[found], logits[rows.unsqueeze(1), ids], float("-inf"))
+        kept, found = _nucleus(vals, top_p[pending])
+        keep[pending[found].unsqueeze(1), ids[found]] = kept[found]
         pending, probs = pending[~found], probs[~found]
     if pending.numel():
         vals, ids = probs.sort(dim=-1, descending=True)
-        keep, _ = _nucleus(vals, top_p[pending])
-        out[pending] = float("-inf")
-        out[pending.unsqueeze(1), ids] = torch.where(keep, logits[pending.unsqueeze(1), ids], float("-inf"))
-    return out
+        kept, _ = _nucleus(vals, top_p[pending])
+        keep[pending.unsqueeze(1), ids] = kept
+    return keep
+
+
+nucleus_keep = CustomFn(_nucleus_keep_native, cpu=lambda probs, top_p: cpu_kernels.top_p_keep(probs, top_p))
 
 
 def _nucleus(vals: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,10 +56,13 @@ def _sorted_nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(keep).scatter_(1, ids, keep)
 
 
-def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus_on_every_path():
-    """Peaked rows find their nucleus in the top 256 or 4,096 tokens, flat ones by sorting the
-    whole vocabulary; a row's kept set and logits are the reference's whatever path it takes and
-    whatever rows share its batch."""
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus_on_every_path(use_kernel, monkeypatch):
+    """The C kernel's nucleus (two passes, no sort), and torch's: peaked rows find it in the
+    top 256 or 4,096 tokens, flat ones by sorting the whole vocabulary. A row's kept set and
+    logits are the reference's whatever path it takes and whatever rows share its batch."""
+    if not use_kernel:
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     gen = torch.Generator().manual_seed(0)
     vocab = 65536
     rows = []
@@ -78,6 +81,71 @@ def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus_on_every_path():
     assert sizes.max() > 4096 and ((sizes > 256) & (sizes < 4096)).any() and sizes.min() < 256  # each path ran
     for i in range(logits.shape[0]):  # alone, each row keeps the same
         assert torch.equal(apply_top_k_top_p(logits[i : i + 1], None, top_p[i : i + 1]), out[i : i + 1])
+
+
+def test_the_nucleus_kernel_on_ties_zeros_and_short_mass():
+    """cpu_kernels.top_p_keep where its buckets meet edge cases: ties at the boundary (the lower
+    index first), zero probabilities (out once the mass is reached), a row whose mass never
+    reaches top_p (all kept), and random rows of every spread against the sort."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C kernels")
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.0, 0.5, 0.0, 0.5], [0.3, 0.3, 0.2, 0.1]])
+    keep = cpu_kernels.top_p_keep(probs, torch.tensor([0.5, 0.99, 0.95]))
+    assert keep.tolist() == [[True, True, False, False], [False, True, False, True], [True] * 4]
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(48, 20000, generator=gen) * torch.linspace(0.1, 8, 48).unsqueeze(1)
+    top_p = torch.rand(48, generator=gen) * 0.98 + 0.01
+    assert torch.equal(cpu_kernels.top_p_keep(logits.softmax(-1), top_p), _sorted_nucleus(logits, top_p))
+
+
+def _draw(logits: torch.Tensor, n: int, top_p: float, temperature: float, seed: int) -> torch.Tensor:
+    """n draws from one row under top-p, 2,000 rows a call."""
+    out = []
+    for start in range(0, n, 2000):
+        m = min(2000, n - start)
+        sampler = Sampler(torch.Generator().manual_seed(seed + start))
+        out.append(sampler(logits.repeat(m, 1), _md(m, temperature=temperature, top_p=[top_p] * m)).sampled_token_ids)
+    return torch.cat(out)
+
+
+def test_top_p_rows_draw_from_their_nucleus_on_both_paths(monkeypatch):
+    """Top-p rows (no top-k) draw among their 256 likeliest tokens where the nucleus lies there
+    and on the full path where it is wider: either way only nucleus tokens, at the nucleus'
+    renormalised probabilities (chi-square, 20,000 draws), and a seeded row draws the same token
+    alone as beside rows of the other path."""
+    from scipy.stats import chisquare
+
+    from pagedllm.model_executor.layers import sampler as sampler_mod
+
+    full_rows = []
+    full_path = sampler_mod.sampling_probs
+    monkeypatch.setattr(sampler_mod, "sampling_probs", lambda x, md, rows: full_rows.append(len(rows)) or
+                        full_path(x, md, rows))
+
+    vocab, temperature = 4096, 0.8
+    gen = torch.Generator().manual_seed(1)
+    peaked = torch.randn(vocab, generator=gen) * 2
+    peaked[:6] += torch.tensor([14.0, 13.5, 13.0, 12.0, 11.0, 9.0])  # a nucleus of a few tokens
+    flat = torch.randn(vocab, generator=gen) * 0.3  # a nucleus of ~1,800 tokens: the full path
+    for row, top_p, n in ((peaked, 0.9, 20000), (flat, 0.5, 4000)):
+        kept = _sorted_nucleus((row / temperature).unsqueeze(0), torch.tensor([top_p]))[0]
+        full_rows.clear()
+        out = _draw(row.unsqueeze(0), n, top_p, temperature, seed=3)
+        assert kept[out].all()
+        assert sum(full_rows) == (0 if kept.sum() < 256 else n)  # the path each row took
+        if kept.sum() < 256:
+            ids = torch.nonzero(kept).flatten()
+            expected = (row[ids] / temperature).softmax(-1).double() * n
+            counts = torch.bincount(out, minlength=vocab)[ids].double()
+            assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+        else:
+            assert 256 < kept.sum() and out.unique().numel() > 256  # drawn beyond the top 256
+    batch, top_ps = torch.stack([flat, peaked, flat]), [0.5, 0.9, 0.5]
+    for i in range(3):
+        md = _md(3, temperature=temperature, top_p=top_ps, generators={i: torch.Generator().manual_seed(11)})
+        mixed = Sampler(torch.Generator().manual_seed(5))(batch, md).sampled_token_ids[i]
+        md = _md(1, temperature=temperature, top_p=top_ps[i : i + 1], generators={0: torch.Generator().manual_seed(11)})
+        assert Sampler()(batch[i : i + 1], md).sampled_token_ids[0] == mixed
 
 
 def test_greedy_rows_take_argmax_in_mixed_batch():
