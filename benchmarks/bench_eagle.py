@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch16", action="store_true", help="also all prompts at once, 16 at a time")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's, for every method")
+    ap.add_argument("--draft-confidence-threshold", type=float, nargs="+", default=[0.0],
+                    help="speculative_config's, each value with each --k (0: off)")
     ap.add_argument("--no-batch1", action="store_true", help="only the batch-16 run (with --batch16)")
     args = ap.parse_args()
 
@@ -95,8 +97,11 @@ def main() -> None:
         return LLM(args.model, speculative_config=spec, **kw) if args.model else LLM(speculative_config=spec, **kw)
 
     configs = [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": args.ngram_k})]
-    configs += [(f"{args.method} k={k}", {"method": args.method, "model": args.head, "num_speculative_tokens": k})
-                for k in args.k]
+    for k in args.k:
+        for t in args.draft_confidence_threshold:
+            spec = {"method": args.method, "model": args.head, "num_speculative_tokens": k}
+            configs.append((f"{args.method} k={k}" + (f" c={t}" if t else ""),
+                            spec | ({"draft_confidence_threshold": t} if t else {})))
     if args.disable_by_batch_size:
         for _, spec in configs[1:]:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
@@ -127,7 +132,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del llm
     for row in rows:
-        line = f"{row['config']:>12}:"
+        line = f"{row['config']:>18}:"
         if "batch1_tpot_ms" in row:
             speedup = rows[0]["batch1_tpot_ms"] / row["batch1_tpot_ms"]
             line += (f" batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({speedup:.2f}x)"

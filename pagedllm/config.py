@@ -222,6 +222,10 @@ class SpeculativeConfig:
     # No drafts are proposed after a step that ran at least this many requests (None: always):
     # on a CPU, k + 1 rows per request cost nearly k + 1 times one once the batch is compute-bound.
     disable_by_batch_size: int | None = None
+    # eagle / eagle3 / mtp: a chain of drafts ends before the draft whose head-estimated chance
+    # (the product of the head's probabilities of it and the drafts before it) falls under this;
+    # 0: always k drafts. A request may then get fewer drafts, or none, in a step.
+    draft_confidence_threshold: float = 0.0
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -524,7 +528,7 @@ def build_model_config(
 
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size"}
+              "disable_by_batch_size", "draft_confidence_threshold"}
 
 
 def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | None:
@@ -550,6 +554,15 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
     if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
         raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {off!r}")
     config.disable_by_batch_size = off
+    threshold = spec.get("draft_confidence_threshold")
+    if threshold is not None:
+        if method not in EAGLE_METHODS:
+            raise ValueError("speculative_config.draft_confidence_threshold is for the methods that draft from the "
+                             f"target's hidden states ({', '.join(EAGLE_METHODS)}), not {method!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"speculative_config.draft_confidence_threshold must be a number in [0, 1), "
+                             f"got {threshold!r}")
+        config.draft_confidence_threshold = float(threshold)
     if method == "ngram":
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)

@@ -142,13 +142,14 @@ class EagleProposer(KVDrafter):
             self.head = load_eagle3_head(spec.heads_path, spec.eagle_config, len(aux), dtype, device,
                                          self.max_model_len, quantized)
             self.trunk.aux_hidden_layers = aux  # its forward (or decode plan) keeps their inputs
-            self.draft = self.head.draft
+            self.draft_logits, self.target_ids = self.head.draft_logits, self.head.target_ids
         else:
             if spec.method == "mtp":
                 self.head = load_mtp_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
             else:
                 self.head = load_eagle_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
-            self.draft = lambda out: greedy_argmax(target.compute_logits(out))
+            self.draft_logits, self.target_ids = target.compute_logits, lambda ids: ids
+        self.confidence_threshold = spec.draft_confidence_threshold
         self.embed = self.head.embed_tokens or getattr(getattr(target, "model", None), "embed_tokens", None)
         if self.embed is None:
             raise ValueError(f"the EAGLE head at {spec.heads_path!r} has no embed_tokens.weight and the target "
@@ -157,6 +158,18 @@ class EagleProposer(KVDrafter):
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
         # (embeds, hidden, positions, metadata) -> the head's rows, or None for its modules.
         self.layer_plan: Callable[..., torch.Tensor | None] | None = None
+
+    def draft(self, out: torch.Tensor) -> tuple[list[int], list[float] | None]:
+        """Each row's draft (a target token id), and with a confidence threshold the head's
+        probability of it (softmax over the head's logits)."""
+        logits = self.draft_logits(out)
+        best = greedy_argmax(logits)
+        ids = self.target_ids(best).tolist()
+        if not self.confidence_threshold:
+            return ids, None
+        logits = logits.float()
+        conf = (logits.gather(1, best.unsqueeze(1)) - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        return ids, conf.squeeze(1).tolist()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of the step just run that the head reads: the target's final hidden states,
@@ -199,8 +212,15 @@ class EagleProposer(KVDrafter):
             return proposals
         feats = out[torch.from_numpy(step.cu_end[[due[a] for a in live]] - 1).to(self.device)]
         drafts: dict[int, list[int]] = {a: [] for a in live}
+        chance = dict.fromkeys(live, 1.0)  # the head's probability that every draft so far is right
         for j in range(max(budget)):
-            for a, tok in zip(live, self.draft(feats).tolist()):
+            toks, conf = self.draft(feats)
+            for n, (a, tok) in enumerate(zip(live, toks)):
+                if conf is not None:
+                    chance[a] *= conf[n]
+                    if chance[a] < self.confidence_threshold:  # not worth its row: the chain ends here
+                        budget[a] = len(drafts[a])
+                        continue
                 drafts[a].append(tok)
             keep = [n for n, a in enumerate(live) if len(drafts[a]) < budget[a]]
             if not keep:

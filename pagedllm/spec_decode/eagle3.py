@@ -88,10 +88,16 @@ class Eagle3Head(nn.Module):
             hidden = self.fc(hidden)
         return self.layer(positions, embeds, hidden)
 
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary, from the head's pre-norm output."""
+        return self.lm_head(self.norm(out))
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
     def draft(self, out: torch.Tensor) -> torch.Tensor:
         """The likeliest target token id per row."""
-        best = greedy_argmax(self.lm_head(self.norm(out)))
-        return best + self.d2t[best]
+        return self.target_ids(greedy_argmax(self.draft_logits(out)))
 
 
 def check_eagle3_config(path: str, config: Any) -> None:

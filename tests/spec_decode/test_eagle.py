@@ -111,9 +111,10 @@ def _ids(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _reference_drafts(model: str, head: str, seq: list[int], n: int) -> list[int]:
+def _reference_drafts(model: str, head: str, seq: list[int], n: int, probs: list[float] | None = None) -> list[int]:
     """transformers: the target's final hidden states over `seq`, then the head's rows (token p + 1,
-    hidden p) for every position, chained n times on its own outputs."""
+    hidden p) for every position, chained n times on its own outputs (each draft's softmax
+    probability appended to `probs` where given)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaModel
 
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -133,7 +134,10 @@ def _reference_drafts(model: str, head: str, seq: list[int], n: int) -> list[int
         for _ in range(n):
             x = fc(torch.cat((embedding[torch.tensor(tokens)], feats), dim=-1))
             out = layers(inputs_embeds=x[None], position_ids=torch.arange(len(tokens))[None]).last_hidden_state[0]
-            drafts.append(int(target.lm_head(out[-1]).argmax()))
+            logits = target.lm_head(out[-1])
+            drafts.append(int(logits.argmax()))
+            if probs is not None:
+                probs.append(float(logits.softmax(-1).max()))
             tokens.append(drafts[-1])
             feats = torch.cat((feats, out[-1:]))
     return drafts
@@ -209,6 +213,33 @@ def test_right_drafts_are_all_accepted(tp, method, tiny_llama, tmp_path):
     m = llm.get_metrics()
     assert m["pagedllm:spec_decode_acceptance_rate"] > 0.95
     assert m["pagedllm:spec_decode_mean_acceptance_length"] > K
+
+
+def test_a_confidence_threshold_ends_chains_where_the_heads_chance_falls(tiny_llama, tmp_path):
+    """With `draft_confidence_threshold` each chain is the reference's drafts up to the first whose
+    running product of the head's probabilities falls under the threshold (none at all where the
+    first does), and greedy output is unchanged."""
+    model, threshold = tiny_llama, 0.45
+    head = _random_head("eagle", model, str(tmp_path / "head"), seed=3)
+    reference = _ids(_engine(model), GREEDY)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": K, "draft_confidence_threshold": threshold}
+    llm = LLM(model, kv_cache_memory=1 << 24, speculative_config=spec, dtype="float32")
+    seen = _spy(llm)
+    assert _ids(llm, GREEDY) == reference
+    lengths = {len(d) for _, d in seen}
+    assert 0 in lengths and K in lengths and len(lengths) >= 3, lengths  # chains of every length the head gives
+    for seq, drafts in seen[:: max(1, len(seen) // 10)]:
+        probs: list[float] = []
+        want = _reference_drafts(model, head, seq, K, probs)
+        chance = torch.tensor(probs).cumprod(0)
+        if (chance - threshold).abs().min() < 1e-4:
+            continue  # too near the threshold for float rounding to decide
+        assert drafts == want[: int((chance >= threshold).sum())], (seq, probs)
+    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+        LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                       "draft_confidence_threshold": 0.5})
+    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+        LLM(model, speculative_config=spec | {"draft_confidence_threshold": 1.5})
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
