@@ -4,7 +4,8 @@
     python benchmarks/bench_eagle.py --head /work/models/eagle3-gemma3-270m --method eagle3 --k 1 2 3 4 5
 
 - batch 1: each prompt alone, TPOT = (time to 128 tokens - time to 1 token) / 127, summed over
-  the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it);
+  the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it),
+  and tokens per decode step (which also counts the steps that verified no drafts);
 - batch 16 (`--batch16`): all prompts at once, output tok/s;
 - each configuration's greedy tokens must equal those without speculation (checked);
 - how many of the answers' tokens the head's draft vocabulary holds (`d2t`): a draft outside it
@@ -117,6 +118,8 @@ def main() -> None:
                 row["draft_vocab_coverage"] = draft_vocab_coverage(args.head, [list(o) for o in outs])
             row |= {"batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
             if c["drafts"]:
+                decoded = len(prompts) * (args.max_tokens - 1)  # after each prompt's first token
+                row["tokens_per_step"] = round(decoded / (decoded - c["accepted_tokens"]), 3)
                 row["mean_acceptance_length"] = round(1 + c["accepted_tokens"] / c["drafts"], 3)
                 row["acceptance_rate"] = round(c["accepted_tokens"] / c["draft_tokens"], 3)
                 positions = sorted((int(k[3:]), v) for k, v in c.items() if k.startswith("at:"))

@@ -156,33 +156,44 @@ INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, cons
     }
 }
 
-/* Up to 4 activation rows, 8 weight rows at a time. */
-static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *w, const float *sz, int64_t g,
-                  const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, void *y, int y_bf16,
-                  int nthreads) {
+/* m activation rows, 8 weight rows at a time: each 8-row block of the weight meets every
+ * activation row, 4 at a time, while it is in L1, so the weight streams from memory once
+ * whatever m is (a pass per 4 rows read the LM head's 84 MB copy again for a fifth row). */
+static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int64_t m, const uint8_t *w, const float *sz,
+                  int64_t g, const float *xsum, int64_t k, const float *sx, const void *bias, int64_t n, void *y,
+                  int y_bf16, int nthreads) {
     int64_t groups = k / g;
-    int variant = M + (x2 ? 4 : 0);
-#define W4_8(MM, X2) w4_8rows(x1, X2, kp, MM, w, sz, g, xsum, k, sx, bias, n, nb * 8, y, y_bf16)
+    const size_t ybytes = y_bf16 ? 2 : 4;
+#define W4_8(MM, X2)                                                                                              \
+    w4_8rows(x1 + r0 * kp, X2, kp, MM, w, sz, g, xsum + r0 * groups, k, sx + r0, bias, n, nb * 8,               \
+             (char *)y + r0 * n * ybytes, y_bf16)
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < n / 8; nb++) {
-        switch (variant) {
-            case 1: W4_8(1, NULL); break;
-            case 2: W4_8(2, NULL); break;
-            case 3: W4_8(3, NULL); break;
-            case 4: W4_8(4, NULL); break;
-            case 5: W4_8(1, x2); break;
-            case 6: W4_8(2, x2); break;
-            case 7: W4_8(3, x2); break;
-            default: W4_8(4, x2); break;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            int M = m - r0 < 4 ? (int)(m - r0) : 4;
+            const int8_t *x2r = x2 ? x2 + r0 * kp : NULL;
+            switch (M + (x2 ? 4 : 0)) {
+                case 1: W4_8(1, NULL); break;
+                case 2: W4_8(2, NULL); break;
+                case 3: W4_8(3, NULL); break;
+                case 4: W4_8(4, NULL); break;
+                case 5: W4_8(1, x2r); break;
+                case 6: W4_8(2, x2r); break;
+                case 7: W4_8(3, x2r); break;
+                default: W4_8(4, x2r); break;
+            }
         }
     }
 #undef W4_8
-    for (int64_t nn = n / 8 * 8; nn < n; nn++) {
-        float out[4];
-        w4_row(x1, x2, kp, M, w + nn * (k / 2), sz + nn * groups * 2, g, xsum, groups, out);
-        for (int r = 0; r < M; r++)
-            store1(y, y_bf16, r * n + nn, out[r] * sx[r] + (bias ? load1(bias, y_bf16, nn) : 0.0f));
-    }
+    for (int64_t nn = n / 8 * 8; nn < n; nn++)
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            float out[4];
+            int M = m - r0 < 4 ? (int)(m - r0) : 4;
+            w4_row(x1 + r0 * kp, x2 ? x2 + r0 * kp : NULL, kp, M, w + nn * (k / 2), sz + nn * groups * 2, g,
+                   xsum + r0 * groups, groups, out);
+            for (int r = 0; r < M; r++)
+                store1(y, y_bf16, (r0 + r) * n + nn, out[r] * sx[r0 + r] + (bias ? load1(bias, y_bf16, nn) : 0.0f));
+        }
 }
 #else
 INLINE void w4_row(const int8_t *x1, const int8_t *x2, int64_t kp, int M, const uint8_t *wrow, const float *sz,
@@ -238,11 +249,7 @@ static void w4_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uin
             xsum[r * groups + gi] = (float)s;
         }
 #if defined(PL_AVX2) || defined(PL_AVX512)
-    for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        int M = m - r0 < 4 ? (int)(m - r0) : 4;
-        w4_m8(x1 + r0 * kp, x2 ? x2 + r0 * kp : NULL, kp, M, w, sz, g, xsum + r0 * groups, k, sx + r0, bias, n,
-              (char *)y + r0 * n * (y_bf16 ? 2 : 4), y_bf16, nthreads);
-    }
+    w4_m8(x1, x2, kp, m, w, sz, g, xsum, k, sx, bias, n, y, y_bf16, nthreads);
     m = 0;  /* done: skip the general loop, free below */
 #endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
