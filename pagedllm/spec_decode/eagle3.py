@@ -21,7 +21,6 @@ from torch import nn
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import Linear, QKVParallelLinear
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
-from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaAttention, head_dim_of, llama_mlp
 from pagedllm.model_executor.models.utils import PACKED_MODULES, building_in, load_weights
@@ -93,11 +92,8 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(out))
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as the target's."""
         return draft_ids + self.d2t[draft_ids]
-
-    def draft(self, out: torch.Tensor) -> torch.Tensor:
-        """The likeliest target token id per row."""
-        return self.target_ids(greedy_argmax(self.draft_logits(out)))
 
 
 def check_eagle3_config(path: str, config: Any) -> None:
