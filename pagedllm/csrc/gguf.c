@@ -176,10 +176,7 @@ void pl_gguf_rescore(int type, const uint8_t *w, int64_t row_bytes, int64_t k, c
         for (int64_t rj = 0; rj < rows * topk; rj++) {
             int64_t r = rj / topk, id = idx[rj];
             gg_dequantize_row(type, w + id * row_bytes, k, buf, h_bf16, 0);
-            vf acc = vzero();
-            for (int64_t c = 0; c < k; c += VL)
-                acc = vfmadd(vload(hidden, h_bf16, r * k + c, k - c), vload(buf, h_bf16, c, k - c), acc);
-            store1(logits, l_bf16, r * vocab + id, vhsum(acc));
+            store1(logits, l_bf16, r * vocab + id, vdot(hidden, h_bf16, r * k, buf, h_bf16, 0, k));
         }
         free(buf);
     }
@@ -510,13 +507,8 @@ static void gg_float_linear(int type, const uint8_t *w, int64_t row_bytes, int64
         for (int64_t j = 0; j < n; j++) {
             gg_dequantize_row(type, w + j * row_bytes, k, wrow, 0, 0);
             float b = bias ? load1(bias, y_bf16, j) : 0.0f;
-            for (int64_t r = 0; r < m; r++) {
-                const void *xr = row_ptr(x, x_bf16, r * k);
-                vf acc = vzero();
-                for (int64_t i = 0; i < k; i += VL)
-                    acc = vfmadd(vload(xr, x_bf16, i, k - i), vloadf(wrow + i, k - i), acc);
-                store1(y, y_bf16, r * ldy + j, vhsum(acc) + b);
-            }
+            for (int64_t r = 0; r < m; r++)
+                store1(y, y_bf16, r * ldy + j, vdot(x, x_bf16, r * k, wrow, 0, 0, k) + b);
         }
         free(wrow);
     }

@@ -54,10 +54,7 @@ void pl_rescore_logits(const void *hidden, int h_bf16, int64_t rows, int64_t dim
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t rj = 0; rj < rows * k; rj++) {
         int64_t r = rj / k, id = idx[rj];
-        vf acc = vzero();
-        for (int64_t c = 0; c < dim; c += VL)
-            acc = vfmadd(vload(hidden, h_bf16, r * dim + c, dim - c), vload(weight, w_bf16, id * dim + c, dim - c), acc);
-        store1(logits, l_bf16, r * vocab + id, vhsum(acc));
+        store1(logits, l_bf16, r * vocab + id, vdot(hidden, h_bf16, r * dim, weight, w_bf16, id * dim, dim));
     }
 }
 

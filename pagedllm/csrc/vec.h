@@ -87,6 +87,15 @@ INLINE float load_scalar_or_zero(const void *p, int bf16, int64_t i, int64_t lef
     return j < left ? load1(p, bf16, i + j) : 0.0f;
 }
 
+/* a[ao:ao + n] . b[bo:bo + n], each in either dtype: one vector accumulator, then vhsum (the
+ * order the re-scoring and float-weight kernels share) */
+INLINE float vdot(const void *a, int a_bf16, int64_t ao, const void *b, int b_bf16, int64_t bo, int64_t n) {
+    vf acc = vzero();
+    for (int64_t c = 0; c < n; c += VL)
+        acc = vfmadd(vload(a, a_bf16, ao + c, n - c), vload(b, b_bf16, bo + c, n - c), acc);
+    return vhsum(acc);
+}
+
 /* Rows of a float tensor: row r of a [*, cols] tensor in either dtype. */
 INLINE const void *row_ptr(const void *x, int bf16, int64_t offset) {
     return bf16 ? (const void *)((const uint16_t *)x + offset) : (const void *)((const float *)x + offset);

@@ -112,13 +112,10 @@ class Sampler:
         out = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         top_k = md.top_k if md.top_k is not None else torch.zeros(num_rows, dtype=torch.long, device=logits.device)
         random_rows = ~md.greedy
-        nucleus = random_rows & (top_k == 0)
-        if md.top_p is None:
-            nucleus = torch.zeros_like(nucleus)
-        else:
-            nucleus &= md.top_p < 1.0
-            if md.min_p is not None:  # min-p renormalises before the nucleus is taken: the full path
-                nucleus &= md.min_p <= 0.0
+        # Top-p alone; min-p renormalises before the nucleus is taken, so its rows take the full path.
+        nucleus = random_rows & (top_k == 0) & (md.top_p < 1.0) if md.top_p is not None else torch.zeros_like(md.greedy)
+        if md.min_p is not None:
+            nucleus &= md.min_p <= 0.0
         # The path depends only on the row's own parameters, so a seeded row draws the
         # same numbers whatever else is in the batch.
         paths = (
