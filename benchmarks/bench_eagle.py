@@ -6,7 +6,8 @@
 - batch 1: each prompt alone, TPOT = (time to 128 tokens - time to 1 token) / 127, summed over
   the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it),
   and tokens per decode step (which also counts the steps that verified no drafts);
-- batch 16 (`--batch16`): all prompts at once, output tok/s;
+- batch B (`--batch-sizes B ...`; `--batch16` is 16): all prompts, B at a time (`max_num_seqs`),
+  output tok/s: where speculation stops paying, for `disable_by_batch_size`;
 - each configuration's greedy tokens must equal those without speculation (checked);
 - how many of the answers' tokens the head's draft vocabulary holds (`d2t`): a draft outside it
   is never right, so this caps the acceptance at every position.
@@ -85,12 +86,15 @@ def main() -> None:
     ap.add_argument("--ngram-k", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=len(HELD_OUT))
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch16", action="store_true", help="also all prompts at once, 16 at a time")
+    ap.add_argument("--batch16", action="store_true", help="also all prompts, 16 at a time (--batch-sizes 16)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                    help="also all prompts, B at a time, for each B given")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's, for every method")
     ap.add_argument("--draft-confidence-threshold", type=float, nargs="+", default=[0.0],
                     help="speculative_config's, each value with each --k (0: off)")
-    ap.add_argument("--no-batch1", action="store_true", help="only the batch-16 run (with --batch16)")
+    ap.add_argument("--no-batch1", action="store_true", help="only the batched runs (--batch-sizes)")
     args = ap.parse_args()
+    sizes = sorted(set(args.batch_sizes + [16] * args.batch16))
 
     from train_eagle import chat_ids
 
@@ -106,7 +110,7 @@ def main() -> None:
     if args.disable_by_batch_size:
         for _, spec in configs[1:]:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
-    rows, reference, reference16 = [], None, None
+    rows, reference, batch_reference = [], None, {}
     for name, spec in configs:
         llm = engine(spec)
         prompts = [{"prompt_token_ids": chat_ids(llm.get_tokenizer(), p)} for p in HELD_OUT[: args.num_prompts]]
@@ -124,13 +128,13 @@ def main() -> None:
                 row["acceptance_rate"] = round(c["accepted_tokens"] / c["draft_tokens"], 3)
                 positions = sorted((int(k[3:]), v) for k, v in c.items() if k.startswith("at:"))
                 row["accepted_per_position"] = [round(v / c["drafts"], 3) for _, v in positions]
-        if args.batch16:
+        for size in sizes:
             del llm
-            llm = engine(spec, max_num_seqs=16)
+            llm = engine(spec, max_num_seqs=size)
             tps, ids = batched(llm, prompts, args.max_tokens)
-            reference16 = reference16 or ids
-            row["batch16_tok_s"] = round(tps, 1)
-            row["batch16_same_tokens"] = ids == reference16
+            batch_reference.setdefault(size, ids)
+            row[f"batch{size}_tok_s"] = round(tps, 1)
+            row[f"batch{size}_same_tokens"] = ids == batch_reference[size]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
@@ -140,8 +144,9 @@ def main() -> None:
             speedup = rows[0]["batch1_tpot_ms"] / row["batch1_tpot_ms"]
             line += (f" batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({speedup:.2f}x)"
                      f"  acceptance length {row.get('mean_acceptance_length', '-')}")
-        if "batch16_tok_s" in row:
-            line += f"  batch 16 {row['batch16_tok_s']} tok/s"
+        for size in sizes:
+            speedup = row[f"batch{size}_tok_s"] / rows[0][f"batch{size}_tok_s"]
+            line += f"  batch {size} {row[f'batch{size}_tok_s']} tok/s ({speedup:.2f}x)"
         if row.get("draft_vocab_coverage"):
             line += f"  answers' tokens in the head's draft vocabulary: {row['draft_vocab_coverage']}"
         print(line)

@@ -147,6 +147,33 @@ def topic_tokens_text() -> str:
     return "\n".join(topics.values())
 
 
+def word_subjects(tokenizer, num: int, seed: int = 0, first_ids: int = 32768) -> list[str]:
+    """`num` English words drawn from the tokenizer's first `first_ids` ids (its commonest merges),
+    each a whole-word token of 4+ lowercase letters: subjects whose words the template subjects
+    lack. The target's answers copy their prompts, so these teach the head to copy words it would
+    otherwise never have drafted."""
+    words = []
+    for i in range(first_ids):
+        piece = tokenizer.decode([i])
+        if piece.startswith(" ") and piece[1:].isascii() and piece[1:].isalpha() and piece[1:].islower() \
+                and len(piece) >= 5:
+            words.append(piece[1:])
+    random.Random(seed).shuffle(words)
+    return words[:num]
+
+
+def word_prompts(tokenizer, num: int, seed: int = 0) -> list[str]:
+    """`num` prompts crossing the training templates with `word_subjects`, one or two words each."""
+    rng = random.Random(seed + 1)
+    words = word_subjects(tokenizer, 2 * num, seed)
+    templates = TRAIN_TEMPLATES + MORE_TEMPLATES
+    out = []
+    for i in range(num):
+        subject = words[i] if rng.random() < 0.5 else f"{words[i]} {words[num + i]}"
+        out.append(rng.choice(templates).format(subject))
+    return out
+
+
 def train_prompts(num: int, seed: int = 0) -> list[str]:
     """`num` distinct training prompts, in a seeded random order: two in three about everyday
     subjects, one in three about Python."""
@@ -196,4 +223,43 @@ HELD_OUT = [
     "How do I convert Celsius to Fahrenheit?",
     "Write a short speech for a wedding toast.",
     "What is the purpose of a firewall?",
+]
+
+
+# A development set for choosing a training recipe (`train_eagle.py` reports the head's top-1 on
+# the target's answers to these): written apart from both the training templates and HELD_OUT,
+# so HELD_OUT stays unseen by every choice made.
+DEV = [
+    "How do I remove a coffee stain from a shirt?",
+    "Write a short bedtime story about a sleepy dragon.",
+    "What is the capital of Australia?",
+    "Give me a workout plan for beginners.",
+    "How do bees make honey?",
+    "Suggest three names for a pet rabbit.",
+    "What is the difference between a virus and bacteria?",
+    "Write a motivational quote for Monday morning.",
+    "How can I fall asleep faster?",
+    "Explain what inflation means for my savings.",
+    "How do I center a div in CSS?",
+    "What are the rules of chess for the knight?",
+    "Write an apology message to a customer.",
+    "Why do cats purr?",
+    "Recommend a few books for a long flight.",
+    "How do I sort a dictionary by value in Python?",
+    "What is photosynthesis?",
+    "Plan a budget-friendly dinner for four people.",
+    "How does a bicycle gear system work?",
+    "Write a few lines about the sea at night.",
+    "What should I do if my car battery dies?",
+    "Explain recursion with an example.",
+    "What are the symptoms of dehydration?",
+    "Describe a sunset over the mountains.",
+    "How do I ask my boss for a raise?",
+    "What is the tallest mountain in Europe?",
+    "Translate 'good morning' into Spanish and French.",
+    "Give me tips for taking better photos with my phone.",
+    "What is blockchain in simple terms?",
+    "Write a welcome message for a new neighbour.",
+    "How long should I boil an egg?",
+    "What does a database index do?",
 ]

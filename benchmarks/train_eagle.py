@@ -7,11 +7,15 @@ any downloaded head:
         "num_speculative_tokens": 3}'
 
 1. The target (pagedllm itself, with its quantized weights) answers chat prompts greedily
-   (`eagle_prompts.train_prompts`), so each answer token is the target's argmax.
+   (`eagle_prompts.train_prompts`, and with `--word-prompts` `word_prompts`), so each answer
+   token is the target's argmax. `--answers FILE` keeps them for the next run. The head's top-1
+   on the target's answers to `eagle_prompts.DEV` is reported at the end, for choosing a recipe
+   without looking at `HELD_OUT`.
 2. One teacher-forced pass of the target over each prompt + answer keeps the residual stream
    entering three of its layers (the head's input, `DecoderStack.aux_hidden_layers`) and the
    tokens' embeddings, exactly as the engine computes them when it drafts.
-3. The draft vocabulary is the answers' most frequent tokens (`d2t` maps it to the target's).
+3. The draft vocabulary is the answers' tokens, then (to its size) the tokens of Python's help
+   topics and the tokenizer's lowest ids, its commonest merges (`d2t` maps it to the target's).
 4. The head (fc over the three layers' states, one decoder layer over [embedding; hidden], a
    norm and an LM head over the draft vocabulary) learns to predict each answer token, with
    EAGLE-3's training-time test: step j feeds its own outputs of step j - 1 back, attending to
@@ -29,7 +33,7 @@ import random
 import time
 
 import torch
-from eagle_prompts import OPENERS, SELF_WRITTEN_PREFIX, topic_tokens_text, train_prompts
+from eagle_prompts import DEV, OPENERS, SELF_WRITTEN_PREFIX, topic_tokens_text, train_prompts, word_prompts
 from torch import nn
 from torch.nn import functional as F
 
@@ -191,7 +195,8 @@ class Head(nn.Module):
 
 def draft_vocabulary(answers: list[list[int]], extra: list[int], size: int, vocab: int) -> torch.Tensor:
     """The answers' tokens, most frequent first, then those of `extra` (a text the answers do not
-    cover), up to `size`, in id order. Rows never seen as labels keep their embedding-row start."""
+    cover), then the lowest ids (a tokenizer's commonest merges come first), up to `size`, in id
+    order. Rows never seen as labels keep their embedding-row start."""
     counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=vocab)
     seen = counts.argsort(descending=True)
     seen = seen[counts[seen] > 0][:size]
@@ -199,6 +204,9 @@ def draft_vocabulary(answers: list[list[int]], extra: list[int], size: int, voca
     more[seen] = 0
     fill = more.argsort(descending=True)[: size - len(seen)]
     top = torch.cat((seen, fill[more[fill] > 0]))
+    taken = torch.zeros(vocab, dtype=torch.bool)
+    taken[top] = True
+    top = torch.cat((top, (~taken).nonzero().flatten()[: size - len(top)]))
     print(f"draft vocabulary: {len(top)} tokens ({len(seen)} from the answers)")
     return top.sort().values
 
@@ -242,11 +250,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--self-written", type=float, default=0.0,
                     help="share of the prompts the target writes itself (self_written_prompts) instead of templates")
+    ap.add_argument("--word-prompts", type=float, default=0.0,
+                    help="share of the prompts whose subjects are common words of the tokenizer (word_prompts)")
+    ap.add_argument("--answers", default=None,
+                    help="JSON file of the prompts' token ids and answers: read where it exists, else written there")
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
                     help="the target layers whose input the head reads (default: vLLM's 2, L/2, L-3)")
     args = ap.parse_args()
-    if not 0.0 <= args.self_written <= 1.0:
-        ap.error(f"--self-written is a share of the prompts, in [0, 1]; got {args.self_written}")
+    if not (0.0 <= args.self_written <= 1.0 and 0.0 <= args.word_prompts <= 1.0 - args.self_written):
+        ap.error("--self-written and --word-prompts are shares of the prompts, together in [0, 1]")
 
     from pagedllm import LLM
 
@@ -256,13 +268,26 @@ def main() -> None:
     text = llm.llm_engine.config.model_config.text_config
     h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
     aux = tuple(sorted(args.aux_layers)) if args.aux_layers else (2, layers // 2, layers - 3)
-    num_self = round(args.self_written * args.num_prompts)
-    written = self_written_prompts(llm, num_self, args.seed) if num_self else []
-    prompts = written + train_prompts(args.num_prompts - len(written), args.seed)
-    print(f"{len(prompts)} prompts, {len(written)} written by the target ({time.perf_counter() - start:.0f} s)")
-    data = generate(llm, prompts, args.max_tokens)
-    print(f"generated {sum(len(a) for _, a in data)} answer tokens for {len(data)} prompts "
+    if args.answers and os.path.exists(args.answers):
+        with open(args.answers) as f:
+            data = [tuple(pa) for pa in json.load(f)]
+        print(f"read {len(data)} prompts and answers from {args.answers}")
+    else:
+        num_self = round(args.self_written * args.num_prompts)
+        written = self_written_prompts(llm, num_self, args.seed) if num_self else []
+        words = word_prompts(llm.get_tokenizer(), round(args.word_prompts * args.num_prompts), args.seed)
+        prompts = written + words + train_prompts(args.num_prompts - len(written) - len(words), args.seed)
+        print(f"{len(prompts)} prompts, {len(written)} written by the target, {len(words)} about common words "
+              f"({time.perf_counter() - start:.0f} s)")
+        data = generate(llm, prompts, args.max_tokens)
+        if args.answers:
+            with open(args.answers, "w") as f:
+                json.dump(data, f)
+    print(f"{sum(len(a) for _, a in data)} answer tokens for {len(data)} prompts "
           f"in {time.perf_counter() - start:.0f} s")
+    dev = generate(llm, DEV, args.max_tokens)
+    num_train = len(data)
+    data = data + dev
     seqs = [p + a for p, a in data]
     feats, embeds = target_features(llm, seqs, aux)
     feats, embeds = [f.clone() for f in feats], [e.clone() for e in embeds]  # out of inference mode, for autograd
@@ -283,7 +308,7 @@ def main() -> None:
         head.lm_head.weight.copy_(getattr(trunk, trunk.embed_name)(draft_ids.to(runner.device)).float())
     del llm, runner, trunk
 
-    order = list(range(len(seqs)))
+    order = list(range(num_train))
     random.Random(args.seed).shuffle(order)
     held = order[: max(8, len(order) // 20)]
     train = order[len(held) :]
@@ -300,10 +325,10 @@ def main() -> None:
     tokens = [torch.tensor(s) for s in seqs]
     prompt_lens = [len(p) for p, _ in data]
 
-    def evaluate() -> list[float]:
+    def evaluate(rows: list[int]) -> list[float]:
         right = [[0, 0] for _ in range(args.ttt_steps)]
         with torch.no_grad():
-            for i in held:
+            for i in rows:
                 _, stats = sequence_loss(head, feats[i], embeds[i], tokens[i], prompt_lens[i], to_draft,
                                          args.ttt_steps, 0.8)
                 for j, (r, c) in enumerate(stats):
@@ -331,8 +356,9 @@ def main() -> None:
             print(f"step {step}/{total_steps} loss {total:.3f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{time.perf_counter() - train_start:.0f} s", flush=True)
         if step % 200 == 0 and step:
-            print(f"held-out top-1 per step: {evaluate()}", flush=True)
-    print(f"trained {step} steps in {time.perf_counter() - train_start:.0f} s; held-out top-1 per step: {evaluate()}")
+            print(f"held-out top-1 per step: {evaluate(held)}", flush=True)
+    print(f"trained {step} steps in {time.perf_counter() - train_start:.0f} s; held-out top-1 per step: "
+          f"{evaluate(held)}; on eagle_prompts.DEV: {evaluate(list(range(num_train, len(seqs))))}")
     save(head, args, h, layers, vocab, aux, draft_ids, text)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s in all")
 
