@@ -166,10 +166,13 @@ def word_prompts(tokenizer, num: int, seed: int = 0) -> list[str]:
     """`num` prompts crossing the training templates with `word_subjects`, one or two words each."""
     rng = random.Random(seed + 1)
     words = word_subjects(tokenizer, 2 * num, seed)
+    if num and not words:
+        raise ValueError("the tokenizer's first ids hold no whole-word tokens to make word prompts from")
     templates = TRAIN_TEMPLATES + MORE_TEMPLATES
     out = []
-    for i in range(num):
-        subject = words[i] if rng.random() < 0.5 else f"{words[i]} {words[num + i]}"
+    for i in range(num):  # a vocabulary with fewer than 2 * num such words repeats them
+        first, second = words[i % len(words)], words[(num + i) % len(words)]
+        subject = first if rng.random() < 0.5 else f"{first} {second}"
         out.append(rng.choice(templates).format(subject))
     return out
 

@@ -293,7 +293,7 @@ def main() -> None:
     feats, embeds = [f.clone() for f in feats], [e.clone() for e in embeds]  # out of inference mode, for autograd
     print(f"target features in {time.perf_counter() - start:.0f} s")
     extra = llm.get_tokenizer()(topic_tokens_text(), add_special_tokens=False).input_ids
-    draft_ids = draft_vocabulary([a for _, a in data], extra, args.draft_vocab, vocab)
+    draft_ids = draft_vocabulary([a for _, a in data[:num_train]], extra, args.draft_vocab, vocab)
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
 
