@@ -59,10 +59,11 @@ def linear_max_rows(dtype: torch.dtype) -> int:
 
 def head_int4_max_rows() -> int:
     """Rows up to which the LM head runs its int4 copy rather than its int8 one: 8 against
-    oneDNN's W8A8 GEMM with VNNI. Without VNNI the int8 copy runs the C kernel, ahead from 7
-    rows on: the default model's GGUF head (262,144 x 640) on a 2-vCPU AVX2 EPYC, each copy's
-    ranking alone, two rounds, 2026-12-01: 5 rows 8.4-8.8 ms (int4) against 10.1-10.4 (int8),
-    6 rows 9.3-9.7 against 10.3, 8 rows 12.3-12.5 against 10.3-10.4."""
+    oneDNN's W8A8 GEMM with VNNI. Without VNNI the int8 copy runs the C kernel, behind at 6
+    rows and ahead at 8 (7 not measured): the default model's GGUF head (262,144 x 640) on a
+    2-vCPU AVX2 EPYC, each copy's ranking alone, two rounds, 2026-12-01: 5 rows 8.4-8.8 ms
+    (int4) against 10.1-10.4 (int8), 6 rows 9.3-9.7 against 10.3, 8 rows 12.3-12.5 against
+    10.3-10.4."""
     return 8 if cpu_isa.has_vnni() else 6
 
 
