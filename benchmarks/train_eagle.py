@@ -20,7 +20,8 @@ any downloaded head:
    norm and an LM head over the draft vocabulary) learns to predict each answer token, with
    EAGLE-3's training-time test: step j feeds its own outputs of step j - 1 back, attending to
    step 0's keys causally and to its own earlier steps' keys at the same row, as the engine's
-   chained drafts do.
+   chained drafts do. With `--induction-init` (the default) its last KV head starts as a copying
+   head (`eagle_induction.py`): the target's answers repeat the user's words.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import random
 import time
 
 import torch
+from eagle_induction import copy_attention_hits, induction_init
 from eagle_prompts import DEV, OPENERS, SELF_WRITTEN_PREFIX, topic_tokens_text, train_prompts, word_prompts
 from torch import nn
 from torch.nn import functional as F
@@ -241,7 +243,11 @@ def main() -> None:
     ap.add_argument("--intermediate-size", type=int, default=1536)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rope-theta", type=float, default=1e6,
+                    help="the head's rotary base (high, so that the copying head's match has slow dims)")
+    ap.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=True,
+                    help="start the head's last KV head as a copying head (eagle_induction.py)")
     ap.add_argument("--ttt-steps", type=int, default=3, help="chained steps trained (EAGLE-3's training-time test)")
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget (after the data)")
@@ -297,9 +303,8 @@ def main() -> None:
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
 
-    eps, theta = 1e-6, 10000.0
     head = Head(h, len(aux), args.heads, args.kv_heads, args.head_dim, args.intermediate_size, len(draft_ids),
-                eps, theta)
+                1e-6, args.rope_theta)
     with torch.no_grad():  # start from the logit lens of the highest layer read: fc passes it on,
         head.fc.weight.mul_(0.1)  # the LM head is the target's (tied) embedding rows
         head.fc.weight[:, (len(aux) - 1) * h :] += torch.eye(h)
@@ -307,6 +312,10 @@ def main() -> None:
         trunk = getattr(runner.model, runner.model.trunk_name)
         head.lm_head.weight.copy_(getattr(trunk, trunk.embed_name)(draft_ids.to(runner.device)).float())
     del llm, runner, trunk
+    if args.induction_init:
+        fit = induction_init(head, feats[: min(300, num_train)], embeds[: min(300, num_train)],
+                             head.lm_head.weight.detach())
+        print(f"induction start: {', '.join(f'{k} {v:.3f}' for k, v in fit.items())}")
 
     order = list(range(num_train))
     random.Random(args.seed).shuffle(order)
@@ -359,6 +368,10 @@ def main() -> None:
             print(f"held-out top-1 per step: {evaluate(held)}", flush=True)
     print(f"trained {step} steps in {time.perf_counter() - train_start:.0f} s; held-out top-1 per step: "
           f"{evaluate(held)}; on eagle_prompts.DEV: {evaluate(list(range(num_train, len(seqs))))}")
+    with torch.no_grad():
+        hits = copy_attention_hits(head, feats[num_train:], embeds[num_train:], tokens[num_train:],
+                                   prompt_lens[num_train:])
+    print(f"on DEV, the last attention head's top row holds the token just read in {hits:.3f} of the repeats")
     save(head, args, h, layers, vocab, aux, draft_ids, text)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s in all")
 
