@@ -45,8 +45,9 @@ def induction_init(head, feats: list[torch.Tensor], embeds: list[torch.Tensor], 
     `ratio`: the copied embedding's size against the residual's; `sharpness`: the query's scale."""
     h, hd, rep = lm_rows.shape[1], head.head_dim, head.heads // head.kv_heads
     dims = slow_rotary_dims(hd, head.theta)
-    if not dims:
-        raise ValueError(f"no rotary dims of head_dim {hd} turn slowly enough at rope_theta {head.theta}")
+    if not dims or hd > h:
+        raise ValueError(f"a copying head needs rotary dims that turn slowly (head_dim {hd}, rope_theta "
+                         f"{head.theta}: {len(dims)}) and head_dim at most the hidden size ({h})")
     rows = _unit_rms(lm_rows.float())
     _, s, vt = torch.linalg.svd(rows - rows.mean(0), full_matrices=False)
     match = vt[: len(dims)] / s[: len(dims), None] * math.sqrt(len(rows))  # unit variance over the vocabulary
@@ -77,8 +78,8 @@ def induction_init(head, feats: list[torch.Tensor], embeds: list[torch.Tensor], 
 
 @torch.no_grad()
 def copy_attention_hits(head, feats, embeds, tokens, prompt_lens) -> float:
-    """Share of answer rows t whose token x(t+1) occurred before at which the copying heads' top
-    attention (step 0) lands on a row j with x(j) == x(t+1)."""
+    """Of the answer rows t whose token x(t+1) occurred earlier in the sequence, the share at
+    which the copying heads' top attention (step 0) lands on a row j with x(j) == x(t+1)."""
     hit = total = 0
     qh = head.heads - 1
     for f, e, tk, plen in zip(feats, embeds, tokens, prompt_lens):
