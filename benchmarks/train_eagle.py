@@ -346,11 +346,12 @@ def main() -> None:
         return [round(r / max(1, c), 4) for r, c in right]
 
     train_start = time.perf_counter()
-    step = 0
+    done = 0
     for step in range(total_steps):
         if time.perf_counter() - train_start > args.minutes * 60:
             print(f"time budget reached at step {step} of {total_steps}")
             break
+        done = step + 1
         batch = [train[(step * args.batch + b) % len(train)] for b in range(args.batch)]
         opt.zero_grad()
         total = 0.0
@@ -366,7 +367,7 @@ def main() -> None:
                   f"{time.perf_counter() - train_start:.0f} s", flush=True)
         if step % 200 == 0 and step:
             print(f"held-out top-1 per step: {evaluate(held)}", flush=True)
-    print(f"trained {step} steps in {time.perf_counter() - train_start:.0f} s; held-out top-1 per step: "
+    print(f"trained {done} steps in {time.perf_counter() - train_start:.0f} s; held-out top-1 per step: "
           f"{evaluate(held)}; on eagle_prompts.DEV: {evaluate(list(range(num_train, len(seqs))))}")
     with torch.no_grad():
         hits = copy_attention_hits(head, feats[num_train:], embeds[num_train:], tokens[num_train:],
