@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn import functional as F
 
 
 def slow_rotary_dims(head_dim: int, theta: float, span: int = 512) -> list[int]:
@@ -34,7 +35,7 @@ def slow_rotary_dims(head_dim: int, theta: float, span: int = 512) -> list[int]:
 
 
 def _unit_rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return F.rms_norm(x, x.shape[-1:], eps=1e-6)
 
 
 @torch.no_grad()
