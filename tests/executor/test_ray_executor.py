@@ -103,24 +103,23 @@ def test_one_rank_as_an_actor(cluster, tiny_llama):
 
 
 # Each architecture's TP and PP are checked against one rank in tests/distributed (mp backend);
-# here one of each layout crosses the two Ray nodes, qwen3 with one KV head split over both.
-@pytest.mark.parametrize("layout, arch", [("tensor_parallel_size", "qwen3"), ("pipeline_parallel_size", "llama")])
-def test_two_ranks_on_the_two_nodes(cluster, tmp_path, arch, layout):
-    """TP=2 puts one rank on each node; PP=2 one stage on each (the stage boundary is the only
-    traffic between the machines)."""
-    path = make_tiny_model(str(tmp_path), arch, **({"num_key_value_heads": 1} if arch == "qwen3" else {}))
-    expected = _tokens(_llm(path))
-    llm = _llm(path, distributed_executor_backend="ray", **{layout: 2})
+# here one of each layout crosses the two Ray nodes: PP with llama below, TP with qwen3 (one KV
+# head split over both) from a driver that finds the cluster through RAY_ADDRESS.
+def test_two_pipeline_stages_on_the_two_nodes(cluster, tiny_llama):
+    """PP=2 puts one stage on each node (the stage boundary is the only traffic between the machines)."""
+    expected = _tokens(_llm(tiny_llama))
+    llm = _llm(tiny_llama, distributed_executor_backend="ray", pipeline_parallel_size=2)
     executor = llm.llm_engine.engine_core.model_executor
     assert len(set(executor.node_ids)) == 2
-    assert llm.llm_engine.engine_core.batch_queue_size == (2 if layout == "pipeline_parallel_size" else 1)
+    assert llm.llm_engine.engine_core.batch_queue_size == 2
     assert _tokens(llm) == expected
     executor.shutdown()
 
 
-def test_an_existing_cluster_is_found_through_ray_address(cluster, tiny_llama):
+def test_an_existing_cluster_is_found_through_ray_address(cluster, tmp_path):
     """A driver that never calls ray.init joins the cluster named by RAY_ADDRESS (as after
-    `ray start --head` and `ray start --address=...` on the machines)."""
+    `ray start --head` and `ray start --address=...` on the machines); TP=2 puts one rank on each node."""
+    path = make_tiny_model(str(tmp_path), "qwen3", num_key_value_heads=1)
     script = (
         "import json, sys\n"
         "from pagedllm import LLM, SamplingParams\n"
@@ -129,15 +128,16 @@ def test_an_existing_cluster_is_found_through_ray_address(cluster, tiny_llama):
         "ex = llm.llm_engine.engine_core.model_executor\n"
         "outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),"
         " use_tqdm=False)\n"
-        "print(json.dumps([len(set(ex.node_ids)), [o.outputs[0].token_ids for o in outs]]))\n"
+        "print(json.dumps([len(set(ex.node_ids)), llm.llm_engine.engine_core.batch_queue_size,"
+        " [o.outputs[0].token_ids for o in outs]]))\n"
         "ex.shutdown()\n"
     )
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
-    done = subprocess.run([sys.executable, "-c", script, tiny_llama, json.dumps(PROMPTS)], env=env,
+    done = subprocess.run([sys.executable, "-c", script, path, json.dumps(PROMPTS)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    num_nodes, tokens = json.loads(done.stdout.strip().splitlines()[-1])
-    assert num_nodes == 2 and tokens == _tokens(_llm(tiny_llama))
+    num_nodes, batch_queue_size, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert num_nodes == 2 and batch_queue_size == 1 and tokens == _tokens(_llm(path))
 
 
 def test_del_under_load_leaves_no_worker_process(cluster, tiny_llama):

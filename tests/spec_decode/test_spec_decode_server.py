@@ -1,6 +1,7 @@
-"""`pagedllm serve --speculative-config ...` (n-gram, Medusa and EAGLE heads): the same greedy text as
+"""`pagedllm serve --speculative-config ...` (n-gram, and a head: EAGLE-3's): the same greedy text as
 offline without speculation, streamed text equal to non-streamed, draft counters on /metrics, a
-bad config refused at start."""
+bad config refused at start. The other heads (EAGLE, Medusa, MTP) take the same path from the flag
+to the runner as EAGLE-3's; their drafting is checked offline (test_eagle.py, test_medusa.py, test_mtp.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.serve_utils import API_KEY, AUTH, MODEL, read_metrics, serve_tiny
 from tests.spec_decode.test_eagle3 import _constant_head
-from tests.spec_decode.test_medusa import _identity_heads
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -24,14 +24,11 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 EAGLE_TOKEN = 77  # the EAGLE-3 head always drafts it; the requests' logit_bias makes the target say it
 
 
-@pytest.fixture(scope="module", params=["ngram", "medusa", "eagle3"])
+@pytest.fixture(scope="module", params=["ngram", "eagle3"])
 def spec_server(request, tiny_llama, tmp_path_factory):
     """The server's URL and the logit bias its requests carry."""
     spec, bias = NGRAM, {}
-    if request.param == "medusa":
-        heads = _identity_heads(tiny_llama, str(tmp_path_factory.mktemp("medusa")))
-        spec = json.dumps({"method": "medusa", "model": heads, "num_speculative_tokens": 3})
-    if request.param == "eagle3":  # (EAGLE's heads take the same path from the flag to the runner)
+    if request.param == "eagle3":
         head = _constant_head(tiny_llama, str(tmp_path_factory.mktemp("eagle3")), EAGLE_TOKEN)
         spec, bias = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3}), {EAGLE_TOKEN: 100.0}
     for url in serve_tiny(tiny_llama, tmp_path_factory, extra_args=("--speculative-config", spec)):

@@ -108,17 +108,16 @@ def test_tp2_ranks_take_their_rows_and_columns_of_the_blocks(float_model, tmp_pa
     assert_greedy_match(got, ref)
 
 
-@pytest.mark.parametrize("name", ["gptq-int4-act-order", "compressed-tensors-w8a8"])
-def test_served_with_the_openai_sdk(float_model, tmp_path, tmp_path_factory, name):
-    """`pagedllm serve` on a GPTQ act-order and on an int8 W8A8 checkpoint: the openai SDK's
-    completions are the dequantized reference's greedy tokens (float path, exact), and
-    /v1/models lists it."""
+def test_served_with_the_openai_sdk(float_model, tmp_path, tmp_path_factory):
+    """`pagedllm serve` on a GPTQ act-order checkpoint: the openai SDK's completions are the
+    dequantized reference's greedy tokens (float path, exact), and /v1/models lists it. (The
+    server loads every format through the loader the offline tests above run.)"""
     import openai
     from transformers import AutoTokenizer
 
     from tests.entrypoints.openai.serve_utils import API_KEY, MODEL, serve_tiny
 
-    path, ref = quantized(float_model, tmp_path, CASES[name])
+    path, ref = quantized(float_model, tmp_path, CASES["gptq-int4-act-order"])
     tok = AutoTokenizer.from_pretrained(path)
     serving = serve_tiny(str(path), tmp_path_factory, env={"PAGEDLLM_CPU_KERNELS": "0"})
     url = next(serving)

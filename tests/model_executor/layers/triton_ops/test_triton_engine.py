@@ -2,10 +2,12 @@
 interpreter without a GPU, natively with one): greedy tokens equal to transformers' in float32
 under prefix-cache hits, chunked prefill (mixed steps, sliding windows) and preemption, with
 decode steps through the CUDA-graph runner's padded buckets (replayed graphs on CUDA, the same
-buffers eagerly on CPU). The interpreter is slow: one architecture per scenario (tests/cuda/ runs
-every pair on a GPU), and 8 tokens per prompt rather than test_models.py's 16 (its cost is per
-step): still past gemma3's sliding window of 8 from every prompt, with decode steps that cross
-into a new KV block (the 27- and 43-token prompts at positions 32 and 48), and preemptions."""
+buffers eagerly on CPU). The interpreter is slow, its cost per program (a query block of one KV
+head) and layer: one architecture per scenario (tests/cuda/ runs every pair on a GPU), two layers
+(gemma3's: one sliding, one full), one KV head for gemma3 and qwen3 (four query heads on it; llama
+keeps two), and 8 tokens per prompt rather than test_models.py's 16: still past gemma3's sliding
+window of 8 from every prompt, with decode steps that cross into a new KV block (the 27- and
+43-token prompts at positions 32 and 48), and preemptions."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from tests.worker.test_kv_cache_dtype import LOGPROB_TOL
 MAX_TOKENS = 8
 
 CASES = [("llama", "plain"), ("gemma3", "chunked"), ("qwen3", "preemption")]
+SHAPES = {
+    "llama": dict(num_hidden_layers=2),
+    "gemma3": dict(num_hidden_layers=2, num_key_value_heads=1, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3": dict(num_hidden_layers=2, num_key_value_heads=1, layer_types=["full_attention"] * 2),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +40,7 @@ def tiny(tmp_path_factory):
 
     def get(arch: str) -> tuple[str, list]:
         if arch not in made:
-            path = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch)
+            path = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, **SHAPES[arch])
             made[arch] = (path, hf_greedy(path, PROMPTS, MAX_TOKENS))
         return made[arch]
     return get
