@@ -20,8 +20,10 @@ from torch import nn
 
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import Linear, QKVParallelLinear
+from pagedllm.model_executor.layers.quantization import WeightOnlyQuant, quantize_weight
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.loader.quantize import linear_max_rows
 from pagedllm.model_executor.models.llama import LlamaAttention, head_dim_of, llama_mlp
 from pagedllm.model_executor.models.utils import PACKED_MODULES, building_in, load_weights
 from pagedllm.spec_decode.head_files import load_head_tensors
@@ -144,17 +146,13 @@ def load_eagle3_head(path: str, config: Any, num_aux: int, dtype: torch.dtype, d
     except ValueError as e:
         raise ValueError(f"EAGLE-3 head at {path!r}: {e}") from None
     if quantization is not None:
-        from pagedllm.model_executor.layers.quantization import quantize_weight
-        from pagedllm.model_executor.loader.quantize import linear_max_rows
-
         for module in head.modules():
             if isinstance(module, Linear):
-                module.quant = _few_row_copy(module.weight.data, linear_max_rows(module.weight.dtype),
-                                             quantize_weight)
+                module.quant = _few_row_copy(module.weight.data, linear_max_rows(module.weight.dtype))
     return head.eval()
 
 
-def _few_row_copy(weight: torch.Tensor, max_rows: int, quantize_weight: Any) -> Any:
+def _few_row_copy(weight: torch.Tensor, max_rows: int) -> WeightOnlyQuant:
     """int4 where pagedllm's kernels take the shape (the copy the decode plans bind), else int8;
     the float weight then holds the kept copy's dequantized values."""
     trial = weight.clone()
