@@ -229,3 +229,24 @@ def test_bad_heads_are_clear_errors(tiny_llama, tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "raw" / "model.safetensors"))
     with pytest.raises(ValueError, match="config.json"):
         _engine(tiny_llama, str(tmp_path / "raw"))
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the int4 copies are pagedllm's kernel layout")
+def test_a_quantized_targets_head_gets_int4_copies_where_the_kernels_take_them(tmp_path):
+    """int4 where pagedllm's int4 kernels take the shape (128-input groups: qkv and o here),
+    int8 where not (fc's 192 inputs, the 64-wide MLP and LM head); each float weight holds its
+    copy's dequantized values, and greedy output stays that of no speculation."""
+    from pagedllm.model_executor.layers.linear import Linear
+
+    model = make_tiny_model(str(tmp_path / "gemma3_d32"), "gemma3", head_dim=32, query_pre_attn_scalar=32)
+    config = _head_config(model)
+    head_path = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 7))
+    llm = _engine(model, head_path, quantization="int8")
+    head = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.eagle.head
+    methods = {n: m.quant.method for n, m in head.named_modules() if isinstance(m, Linear)}
+    assert methods["layer.self_attn.qkv_proj"] == methods["layer.self_attn.o_proj"] == "int4"
+    assert methods["fc"] == methods["lm_head"] == "int8"
+    x = torch.randn(2, head.layer.self_attn.qkv_proj.in_features)
+    qkv = head.layer.self_attn.qkv_proj
+    torch.testing.assert_close(qkv.quant(x), x @ qkv.weight.T, rtol=1e-3, atol=1e-3)
+    assert _ids(llm, GREEDY) == _ids(_engine(model, quantization="int8"), GREEDY)
