@@ -3,9 +3,10 @@
 
     python benchmarks/bench_eagle.py --head /work/models/eagle3-gemma3-270m --method eagle3 --k 1 2 3 4 5
 
-- batch 1: each prompt alone, TPOT = (time to 128 tokens - time to 1 token) / 127, summed over
-  the prompts; mean acceptance length (1 + accepted drafts per verification, as vLLM counts it),
-  and tokens per decode step (which also counts the steps that verified no drafts);
+- batch 1: each prompt alone (`--paired`: by every configuration's engine in turn), TPOT =
+  (time to 128 tokens - time to 1 token) / 127, summed over the prompts; mean acceptance length
+  (1 + accepted drafts per verification, as vLLM counts it), and tokens per decode step (which
+  also counts the steps that verified no drafts);
 - batch B (`--batch-sizes B ...`; `--batch16` is 16): all prompts, B at a time (`max_num_seqs`),
   output tok/s: where speculation stops paying, for `disable_by_batch_size`;
 - each configuration's greedy tokens must equal those without speculation (checked);
@@ -54,6 +55,29 @@ def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[i
     return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+def paired_batch1(llms: list[LLM], prompts: list, max_tokens: int) -> list[tuple[float, list[list[int]], dict]]:
+    """`batch1` for several engines at once, each prompt taken by every engine in turn (the order
+    rotated from prompt to prompt), so that a change in the host's speed falls on all alike."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for llm in llms:
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    before = [counters(llm) for llm in llms]
+    decode, outs = [0.0] * len(llms), [[] for _ in llms]
+    for n, p in enumerate(prompts):
+        for i in [(n + j) % len(llms) for j in range(len(llms))]:
+            t0 = time.perf_counter()
+            llms[i].generate([p], first, use_tqdm=False)
+            t1 = time.perf_counter()
+            outs[i].append(llms[i].generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+            decode[i] += (time.perf_counter() - t1) - (t1 - t0)
+    results = []
+    for llm, d, o, b in zip(llms, decode, outs, before):
+        after = counters(llm)
+        results.append((d / (len(prompts) * (max_tokens - 1)), o, {k: after[k] - b.get(k, 0.0) for k in after}))
+    return results
+
+
 def draft_vocab_coverage(head: str, answers: list[list[int]]) -> dict[str, float] | None:
     """The share of the answers' tokens (and of their distinct tokens) inside an EAGLE-3 head's
     draft vocabulary; None for a head that drafts over the whole vocabulary."""
@@ -93,6 +117,9 @@ def main() -> None:
     ap.add_argument("--draft-confidence-threshold", type=float, nargs="+", default=[0.0],
                     help="speculative_config's, each value with each --k (0: off)")
     ap.add_argument("--no-batch1", action="store_true", help="only the batched runs (--batch-sizes)")
+    ap.add_argument("--paired", action="store_true",
+                    help="batch 1 with every configuration's engine at once, each prompt run by all in turn "
+                         "(a fair comparison on a host whose speed drifts)")
     args = ap.parse_args()
     sizes = sorted(set(args.batch_sizes + [16] * args.batch16))
 
@@ -111,12 +138,21 @@ def main() -> None:
         for _, spec in configs[1:]:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
     rows, reference, batch_reference = [], None, {}
+    paired, tokenizer = {}, None
+    if args.paired and not args.no_batch1:  # every engine at once, with a smaller KV cache each
+        llms = [engine(spec, kv_cache_memory=1 << 30, max_model_len=4096) for _, spec in configs]
+        tokenizer = llms[0].get_tokenizer()
+        prompts = [{"prompt_token_ids": chat_ids(tokenizer, p)} for p in HELD_OUT[: args.num_prompts]]
+        paired = dict(zip((name for name, _ in configs), paired_batch1(llms, prompts, args.max_tokens)))
+        del llms
     for name, spec in configs:
-        llm = engine(spec)
-        prompts = [{"prompt_token_ids": chat_ids(llm.get_tokenizer(), p)} for p in HELD_OUT[: args.num_prompts]]
+        llm = engine(spec) if not paired else None
+        if llm is not None:
+            tokenizer = llm.get_tokenizer()
+        prompts = [{"prompt_token_ids": chat_ids(tokenizer, p)} for p in HELD_OUT[: args.num_prompts]]
         row = {"config": name}
         if not args.no_batch1:
-            tpot, outs, c = batch1(llm, prompts, args.max_tokens)
+            tpot, outs, c = paired[name] if paired else batch1(llm, prompts, args.max_tokens)
             if reference is None:
                 reference = outs
                 row["draft_vocab_coverage"] = draft_vocab_coverage(args.head, [list(o) for o in outs])
@@ -129,7 +165,7 @@ def main() -> None:
                 positions = sorted((int(k[3:]), v) for k, v in c.items() if k.startswith("at:"))
                 row["accepted_per_position"] = [round(v / c["drafts"], 3) for _, v in positions]
         for size in sizes:
-            del llm
+            llm = None  # the previous engine's memory freed first
             llm = engine(spec, max_num_seqs=size)
             tps, ids = batched(llm, prompts, args.max_tokens)
             batch_reference.setdefault(size, ids)

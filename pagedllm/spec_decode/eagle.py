@@ -38,6 +38,8 @@ from pagedllm.spec_decode.head_files import load_head_tensors
 from pagedllm.spec_decode.mtp import load_mtp_head
 
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+EMBED_CACHE_ROWS = 2048  # embedding rows the proposer keeps (5 MB at hidden 640 in float32)
+MAX_CACHED_PASS = 16  # passes of more tokens (a prompt chunk's catch-up) look theirs up directly
 
 
 def eagle_config(spec: SpeculativeConfig, path: str, target: ModelConfig) -> Any:
@@ -154,21 +156,28 @@ class EagleProposer(KVDrafter):
         if self.embed is None:
             raise ValueError(f"the EAGLE head at {spec.heads_path!r} has no embed_tokens.weight and the target "
                              f"({type(target).__name__}) has no model.embed_tokens to share")
+        # Rows of the embedding by token id (`_embed`); none under tensor parallelism, whose
+        # lookup is a collective every rank takes part in.
+        self.embed_rows: dict[int, torch.Tensor] | None = {} if getattr(self.embed, "tp_size", 1) == 1 else None
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
-        # (embeds, hidden, positions, metadata) -> the head's rows, or None for its modules.
+        # called with (embeds, hidden, query lengths, starts, block ids, block size): the head's
+        # rows, or None for its modules; its `draft_logits(rows)` likewise.
         self.layer_plan: Callable[..., torch.Tensor | None] | None = None
 
     def draft(self, out: torch.Tensor) -> tuple[list[int], list[float] | None]:
         """Each row's draft (a target token id), and with a confidence threshold the head's
         probability of it (softmax over the head's logits)."""
-        logits = self.draft_logits(out)
+        plan = self.layer_plan
+        logits = None if plan is None else plan.draft_logits(out)
+        if logits is None:
+            logits = self.draft_logits(out)
         best = greedy_argmax(logits)
         ids = self.target_ids(best).tolist()
         if not self.confidence_threshold:
             return ids, None
-        logits = logits.float()
-        conf = (logits.gather(1, best.unsqueeze(1)) - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        # One softmax kernel: logsumexp's ~10 ops took a third of a draft's time on CPU.
+        conf = torch.softmax(logits.float(), dim=-1).gather(1, best.unsqueeze(1))
         return ids, conf.squeeze(1).tolist()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -176,12 +185,34 @@ class EagleProposer(KVDrafter):
         or (EAGLE-3) its layers' inputs side by side."""
         return hidden if self.trunk is None else self.trunk.aux_hidden_states
 
-    def _run(self, step: Any, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: list[int]) -> torch.Tensor:
+        """The embeddings of a pass's tokens. A chained pass feeds back a few hundred distinct
+        tokens over a whole answer, so a short pass takes each row from a small cache of rows
+        looked up before (a lookup costs ~0.1 ms of small calls for its one or two rows)."""
+        if self.embed_rows is None or len(tokens) > MAX_CACHED_PASS:
+            return self.embed(torch.tensor(tokens, device=self.device))
+        rows = self.embed_rows
+        missing = [t for t in dict.fromkeys(tokens) if t not in rows]
+        if missing:
+            if len(rows) + len(missing) > EMBED_CACHE_ROWS:
+                rows.clear()
+            rows.update(zip(missing, self.embed(torch.tensor(missing, device=self.device)).unbind(0)))
+        return torch.stack([rows[t] for t in tokens])
+
+    def _run(self, tokens: list[list[int]], starts: list[int], block_ids: list[Any],
+             hidden: torch.Tensor) -> torch.Tensor:
+        """The head's rows for each request's `tokens` after its `starts` cached positions, fed
+        `hidden` (the target's rows or the head's own): its layer's bound kernel calls where they
+        take the pass, else its modules on the step's inputs."""
+        embeds = self._embed([t for toks in tokens for t in toks])
+        plan = self.layer_plan
+        if plan is not None:
+            out = plan(embeds, hidden, [len(t) for t in tokens], starts, block_ids, self.block_size)
+            if out is not None:
+                return out
+        step = self.prepare_inputs(tokens, starts, block_ids, self.block_size, self.device)
         with set_forward_context(step.attn_metadata):
-            embeds = self.embed(step.input_ids)
-            plan = self.layer_plan
-            out = None if plan is None else plan(embeds, hidden, step.positions, step.attn_metadata)
-            return out if out is not None else self.head(embeds, hidden, step.positions)
+            return self.head(embeds, hidden, step.positions)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Any], new_tokens: list[list[int] | None], hidden: torch.Tensor,
@@ -198,9 +229,9 @@ class EagleProposer(KVDrafter):
             else:
                 tokens.append(r.state.token_slice(r.start_pos + 1, r.end) + list(new))
             rows.append(np.arange(first, first + len(tokens[-1])))
-        step = self.prepare_inputs(tokens, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
-                                   self.block_size, self.device)
-        out = self._run(step, hidden[torch.from_numpy(np.concatenate(rows)).to(self.device)])
+        out = self._run(tokens, [r.start_pos for r in reqs], [r.block_ids for r in reqs],
+                        hidden[torch.from_numpy(np.concatenate(rows)).to(self.device)])
+        last_rows = np.cumsum([len(t) for t in tokens]) - 1  # each request's last row in `out`
 
         # 2. Chain: draft j + 1 from the row fed with draft j at the next position.
         due = [i for i, new in enumerate(new_tokens) if new is not None]
@@ -210,7 +241,7 @@ class EagleProposer(KVDrafter):
         live = [a for a, b in enumerate(budget) if b > 0]  # indices into `due`
         if not live:
             return proposals
-        feats = out[torch.from_numpy(step.cu_end[[due[a] for a in live]] - 1).to(self.device)]
+        feats = out[torch.from_numpy(last_rows[[due[a] for a in live]]).to(self.device)]
         drafts: dict[int, list[int]] = {a: [] for a in live}
         chance = dict.fromkeys(live, 1.0)  # the head's probability that every draft so far is right
         for j in range(max(budget)):
@@ -226,9 +257,8 @@ class EagleProposer(KVDrafter):
             if not keep:
                 break
             live = [live[n] for n in keep]
-            step = self.prepare_inputs([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j for a in live],
-                                       [reqs[due[a]].block_ids for a in live], self.block_size, self.device)
-            feats = self._run(step, feats[torch.tensor(keep, device=self.device)])
+            feats = self._run([[drafts[a][-1]] for a in live], [seq_lens[a] - 1 + j for a in live],
+                              [reqs[due[a]].block_ids for a in live], feats[torch.tensor(keep, device=self.device)])
         for a, d in drafts.items():
             proposals[due[a]] = d
         return proposals

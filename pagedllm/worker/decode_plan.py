@@ -125,6 +125,7 @@ class DecodePlan:
         self.positions, self.slot = buffers.positions[:rows], buffers.slot[:rows]
         self.seq_len, self.block_table = buffers.seq_len[:rows], buffers.block_table[:rows]
         self._seq_len_np, self._table_np = self.seq_len.numpy(), self.block_table.numpy()
+        self._positions_np, self._slot_np = self.positions.numpy(), self.slot.numpy()
         self.hidden, self.normed = buffers.hidden[:rows], buffers.normed[:rows]
         self.calls: list[Callable[[], object]] = []
 

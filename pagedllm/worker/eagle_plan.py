@@ -10,14 +10,15 @@ decodes, or PAGEDLLM_DECODE_PLAN=0 keeps the module path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 
 from pagedllm import envs
-from pagedllm.forward_context import AttentionMetadata
+from pagedllm.model_executor.layers.attention import causal_chunk_runs_as_decodes
 from pagedllm.spec_decode.eagle3 import Eagle3Head
-from pagedllm.worker.decode_plan import MAX_PLAN_ROWS, DecodePlan, PlanBuffers, Unsupported, rows_run_as_decodes
+from pagedllm.worker.decode_plan import MAX_PLAN_ROWS, DecodePlan, PlanBuffers, Unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,23 @@ class Eagle3LayerPlan(DecodePlan):
         self._mlp(layer.mlp, self.normed, proj)
         self._add(proj)
         self.fused_calls = fc_calls + self.calls  # the first pass over the target's rows
+        # The drafts' logits from `rows` rows of the head's output: its final norm and LM head.
+        layer_calls, self.calls = self.calls, []
+        self.draft_in, draft_normed = (buffers.normed.new_zeros(n, width) for _ in range(2))
+        self.logits = buffers.normed.new_zeros(n, head.draft_vocab_size)
+        try:
+            self._rms(head.norm, self.draft_in, draft_normed)
+            self._linear(head.lm_head, draft_normed, self.logits)
+            self.logit_calls: list | None = self.calls
+        except Unsupported:
+            self.logit_calls = None
+        self.calls = layer_calls
 
-    def run_layer(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                  md: AttentionMetadata) -> torch.Tensor:
-        """`Eagle3Head.forward`: `hidden` the target's layers side by side, or the head's own rows."""
-        self._write_step(positions, md)
+    def run_layer(self, embeds: torch.Tensor, hidden: torch.Tensor, query_lens: list[int], starts: list[int],
+                  block_ids: Sequence[Sequence[int]], block_size: int) -> torch.Tensor:
+        """`Eagle3Head.forward` for each request's `query_lens[i]` rows after its `starts[i]`
+        cached positions: `hidden` the target's layers side by side, or the head's own rows."""
+        self._write_rows(query_lens, starts, block_ids, block_size)
         self.embeds.copy_(embeds)
         if hidden.shape[-1] == self.hidden.shape[-1]:
             self.hidden.copy_(hidden)
@@ -61,6 +74,30 @@ class Eagle3LayerPlan(DecodePlan):
             call()
         return self.hidden.clone()
 
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor | None:
+        """`Eagle3Head.draft_logits` of the head's output rows (a view of this plan's buffer,
+        valid until its next call), or None where the LM head has no bound kernel."""
+        if self.logit_calls is None:
+            return None
+        self.draft_in.copy_(out)
+        for call in self.logit_calls:
+            call()
+        return self.logits
+
+    def _write_rows(self, query_lens: list[int], starts: list[int], block_ids: Sequence[Sequence[int]],
+                    block_size: int) -> None:
+        """Each row's position, slot, keys and blocks, written from the requests' own lists (no
+        step inputs built: a chained pass is one row, and building them cost more than its kernels)."""
+        pos, slot, lens, table = self._positions_np, self._slot_np, self._seq_len_np, self._table_np
+        row = 0
+        for n, start, ids in zip(query_lens, starts, block_ids):
+            blocks = -(-(start + n) // block_size)
+            table[row : row + n, :blocks] = ids[:blocks]
+            for p in range(start, start + n):
+                pos[row], lens[row] = p, p + 1
+                slot[row] = ids[p // block_size] * block_size + p % block_size
+                row += 1
+
 
 class Eagle3PlanRunner:
     """The head's plans by row count, on one set of buffers, made again when the KV cache or the
@@ -69,15 +106,14 @@ class Eagle3PlanRunner:
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head
         self.attn = head.layer.self_attn.attn
-        self.windows = {self.attn.sliding_window}
         self.key: tuple[int, int] | None = None  # the KV cache and thread count the plans are for
         self.plans: dict[int, Eagle3LayerPlan | None] = {}
         self.buffers: PlanBuffers | None = None
 
-    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 md: AttentionMetadata) -> torch.Tensor | None:
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, query_lens: list[int], starts: list[int],
+                 block_ids: Sequence[Sequence[int]], block_size: int) -> torch.Tensor | None:
         rows = embeds.shape[0]
-        if rows > MAX_PLAN_ROWS or md.triton is not None:
+        if rows > MAX_PLAN_ROWS:
             return None
         key = (self.attn.kv_cache.data_ptr(), torch.get_num_threads())
         if key != self.key:
@@ -87,14 +123,35 @@ class Eagle3PlanRunner:
             head = self.head
             self.buffers = PlanBuffers(head.layer.self_attn, head.layer.mlp, head.norm.weight.shape[0],
                                        MAX_PLAN_ROWS, embeds.dtype, head.fc.in_features)
-        if not rows_run_as_decodes(md, self.buffers.block_table.shape[1], self.windows):
+        if not self._runs_as_decodes(query_lens, starts, block_size):
             return None
+        plan = self._plan(rows)
+        return None if plan is None else plan.run_layer(embeds, hidden, query_lens, starts, block_ids, block_size)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor | None:
+        """The drafts' logits from the head's output rows, on the plans' bound calls where the
+        plans run (else None: the head's modules)."""
+        if self.key != (self.attn.kv_cache.data_ptr(), torch.get_num_threads()) or out.shape[0] > MAX_PLAN_ROWS:
+            return None
+        plan = self._plan(out.shape[0])
+        return None if plan is None else plan.draft_logits(out)
+
+    def _plan(self, rows: int) -> Eagle3LayerPlan | None:
         if rows not in self.plans:
             try:
                 self.plans[rows] = Eagle3LayerPlan(self.head, rows, self.buffers)
             except Unsupported as e:
                 logger.debug("EAGLE-3 head plan for %d rows off: %s", rows, e)
                 self.plans[rows] = None
-        plan = self.plans[rows]
-        return None if plan is None else plan.run_layer(embeds, hidden, positions, md)
+        return self.plans[rows]
 
+    def _runs_as_decodes(self, query_lens: list[int], starts: list[int], block_size: int) -> bool:
+        """`rows_run_as_decodes` for the pass's requests: each row's blocks within the buffers'
+        table, and every request of several rows a chunk the attention runs as decodes."""
+        max_blocks = self.buffers.block_table.shape[1]
+        for n, start in zip(query_lens, starts):
+            if -(-(start + n) // block_size) > max_blocks:
+                return False
+            if n > 1 and not causal_chunk_runs_as_decodes(start, n, self.attn.sliding_window):
+                return False
+        return True

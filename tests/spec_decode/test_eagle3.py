@@ -250,3 +250,20 @@ def test_a_quantized_targets_head_gets_int4_copies_where_the_kernels_take_them(t
     qkv = head.layer.self_attn.qkv_proj
     torch.testing.assert_close(qkv.quant(x), x @ qkv.weight.T, rtol=1e-3, atol=1e-3)
     assert _ids(llm, GREEDY) == _ids(_engine(model, quantization="int8"), GREEDY)
+
+
+def test_the_proposers_embedding_rows_equal_the_lookup(tiny_llama, tmp_path, monkeypatch):
+    """The proposer's cache of embedding rows gives the embedding's own rows in the pass's order,
+    repeats included, and stays within its size (cleared when full); a pass longer than
+    MAX_CACHED_PASS looks its rows up directly."""
+    from pagedllm.spec_decode import eagle
+
+    monkeypatch.setattr(eagle, "EMBED_CACHE_ROWS", 4)
+    config = _head_config(tiny_llama)
+    llm = _engine(tiny_llama, _write_head(str(tmp_path / "head"), config, _random_tensors(config, 5)))
+    drafter = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.eagle
+    drafter.embed_rows.clear()
+    for tokens in ([5], [5, 7, 5], [1, 2, 3], [9, 9, 1], [4], list(range(eagle.MAX_CACHED_PASS + 3))):
+        assert torch.equal(drafter._embed(tokens), drafter.embed(torch.tensor(tokens))), tokens
+        assert 0 < len(drafter.embed_rows) <= 4
+    assert set(drafter.embed_rows) == {4}  # [1, 2, 3] and [4] each found it too full, and cleared it

@@ -1,6 +1,7 @@
 """The EAGLE-3 head's layer on bound kernel calls (worker/eagle_plan.py): an int8 target's head
 drafts exactly what its modules draft, step for step, over the first pass on the target's rows,
-chained drafts and catch-ups of several rows; greedy output stays that of no speculation."""
+chained drafts and catch-ups of several rows, with its final norm and LM head bound as well;
+greedy output stays that of no speculation."""
 
 from __future__ import annotations
 
@@ -21,25 +22,33 @@ def test_head_plan_drafts_what_the_modules_draft(tmp_path, monkeypatch, arch, dt
                             **({"query_pre_attn_scalar": 32} if arch == "gemma3" else {}))
     config = _head_config(model)
     head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 7))
-    rows, fused = [], []
-    real = eagle_plan.Eagle3LayerPlan.run_layer
+    rows, fused, logits = [], [], []
+    real, real_logits = eagle_plan.Eagle3LayerPlan.run_layer, eagle_plan.Eagle3LayerPlan.draft_logits
 
     def run_layer(self, embeds, hidden, *args):
         rows.append(self.rows)
         fused.append(hidden.shape[-1] != embeds.shape[-1])
         return real(self, embeds, hidden, *args)
 
+    def draft_logits(self, out):
+        result = real_logits(self, out)
+        logits.append(result is not None)
+        return result
+
     monkeypatch.setattr(eagle_plan.Eagle3LayerPlan, "run_layer", run_layer)
+    monkeypatch.setattr(eagle_plan.Eagle3LayerPlan, "draft_logits", draft_logits)
     reference = _ids(_engine(model, quantization="int8", dtype=dtype), GREEDY)
     llm = _engine(model, head, quantization="int8", dtype=dtype)
     with_plan = _spy(llm)
     assert _ids(llm, GREEDY) == reference
     assert max(rows) > 1 and any(fused) and not all(fused)  # catch-ups over the target's rows, chained drafts
+    assert logits and all(logits)  # the final norm and LM head bound too
     monkeypatch.setattr(eagle_plan.Eagle3PlanRunner, "__call__", lambda self, *args: None)
     rows.clear()
+    logits.clear()
     llm = _engine(model, head, quantization="int8", dtype=dtype)
     without = _spy(llm)
     assert _ids(llm, GREEDY) == reference
-    assert not rows
+    assert not rows and not logits
     assert with_plan == without
     assert len(with_plan) > 20

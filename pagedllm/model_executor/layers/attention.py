@@ -53,12 +53,17 @@ def chunk_runs_as_decodes(seg: PrefillSegment, sliding_window: int | None) -> bo
     its own position): it follows cached context and has at most KERNEL_CHUNK_ROWS rows over at
     most KERNEL_CHUNK_MAX_KEYS keys under the layer's window. The decode plan takes a step by
     the same test. Never a chunk with bidirectional spans: its mask is not causal."""
-    if seg.context_len == 0 or seg.bidirectional:
+    return not seg.bidirectional and causal_chunk_runs_as_decodes(seg.context_len, seg.query_len, sliding_window)
+
+
+def causal_chunk_runs_as_decodes(context_len: int, query_len: int, sliding_window: int | None) -> bool:
+    """`chunk_runs_as_decodes` for a causal chunk of `query_len` rows after `context_len` keys."""
+    if context_len == 0:
         return False
-    keys = seg.context_len + seg.query_len
+    keys = context_len + query_len
     if sliding_window is not None:
         keys = min(keys, sliding_window)
-    return seg.query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS
+    return query_len <= KERNEL_CHUNK_ROWS and keys <= KERNEL_CHUNK_MAX_KEYS
 
 
 class Attention(nn.Module):
