@@ -144,13 +144,14 @@ class EagleProposer(KVDrafter):
             self.head = load_eagle3_head(spec.heads_path, spec.eagle_config, len(aux), dtype, device,
                                          self.max_model_len, quantized)
             self.trunk.aux_hidden_layers = aux  # its forward (or decode plan) keeps their inputs
-            self.draft_logits, self.target_ids = self.head.draft_logits, self.head.target_ids
+            self.draft_logits = self.head.draft_logits
+            self.d2t: list[int] | None = self.head.d2t.tolist()  # a draft's offset to its target id, per row
         else:
             if spec.method == "mtp":
                 self.head = load_mtp_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
             else:
                 self.head = load_eagle_head(spec.heads_path, spec.eagle_config, dtype, device, self.max_model_len)
-            self.draft_logits, self.target_ids = target.compute_logits, lambda ids: ids
+            self.draft_logits, self.d2t = target.compute_logits, None
         self.confidence_threshold = spec.draft_confidence_threshold
         self.embed = self.head.embed_tokens or getattr(getattr(target, "model", None), "embed_tokens", None)
         if self.embed is None:
@@ -173,7 +174,9 @@ class EagleProposer(KVDrafter):
         if logits is None:
             logits = self.draft_logits(out)
         best = greedy_argmax(logits)
-        ids = self.target_ids(best).tolist()
+        ids = best.tolist()
+        if self.d2t is not None:  # the head's draft-vocabulary ids as the target's
+            ids = [i + self.d2t[i] for i in ids]
         if not self.confidence_threshold:
             return ids, None
         # One softmax kernel: logsumexp's ~10 ops took a third of a draft's time on CPU.

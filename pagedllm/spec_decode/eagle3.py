@@ -93,10 +93,6 @@ class Eagle3Head(nn.Module):
         """Logits over the draft vocabulary, from the head's pre-norm output."""
         return self.lm_head(self.norm(out))
 
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids as the target's."""
-        return draft_ids + self.d2t[draft_ids]
-
 
 def check_eagle3_config(path: str, config: Any) -> None:
     draft = getattr(config, "draft_vocab_size", None) or config.vocab_size
