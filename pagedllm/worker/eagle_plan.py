@@ -1,10 +1,12 @@
-"""The EAGLE-3 head's decoder layer replayed as bound C kernel calls (decode_plan.py's building
-blocks): the drafter runs its one layer at least once every speculative step, on 1 to k + 1 rows
-a request, and its ~25 module calls cost more than their kernels. The kernels, their arguments
-and their order are those of `Eagle3Layer.forward` on the C kernel path, so the drafts are
-bit-identical to it (tests/worker/test_eagle_plan.py). A head whose linears have no weight-only
-kernels (a float target's head), a step with a prompt chunk the attention does not run as
-decodes, or PAGEDLLM_DECODE_PLAN=0 keeps the module path.
+"""The EAGLE-3 head's decoder layer, and its final norm and LM head, replayed as bound C kernel
+calls (decode_plan.py's building blocks): the drafter runs its one layer at least once every
+speculative step, on 1 to k + 1 rows a request, and its ~25 module calls cost more than their
+kernels. A pass's positions, slots and block tables are written from the requests' own lists,
+with no step inputs built. The kernels, their arguments and their order are those of
+`Eagle3Layer.forward` and `Eagle3Head.draft_logits` on the C kernel path, so the drafts are
+bit-identical to them (tests/worker/test_eagle_plan.py). A head whose linears have no
+weight-only kernels (a float target's head), a pass with a prompt chunk the attention does not
+run as decodes, or PAGEDLLM_DECODE_PLAN=0 keeps the module path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Eagle3LayerPlan(DecodePlan):
     """The head's layer for `rows` rows: [fc over the target's fused layers,] the two input norms
     side by side, attention, the MLP and both residual adds; returns the pre-norm output."""
 
-    def __init__(self, head: Eagle3Head, rows: int, buffers: PlanBuffers) -> None:
+    def __init__(self, head: Eagle3Head, rows: int, buffers: PlanBuffers, logits: torch.Tensor) -> None:
+        """`logits`: [MAX_PLAN_ROWS, draft vocabulary], shared by the plans like `buffers`."""
         layer, n = head.layer, rows
         self._bind_buffers(rows, buffers)
         width = self.hidden.shape[1]
@@ -49,7 +52,7 @@ class Eagle3LayerPlan(DecodePlan):
         # The drafts' logits from `rows` rows of the head's output: its final norm and LM head.
         layer_calls, self.calls = self.calls, []
         self.draft_in, draft_normed = (buffers.normed.new_zeros(n, width) for _ in range(2))
-        self.logits = buffers.normed.new_zeros(n, head.draft_vocab_size)
+        self.logits = logits[:n]
         try:
             self._rms(head.norm, self.draft_in, draft_normed)
             self._linear(head.lm_head, draft_normed, self.logits)
@@ -109,6 +112,7 @@ class Eagle3PlanRunner:
         self.key: tuple[int, int] | None = None  # the KV cache and thread count the plans are for
         self.plans: dict[int, Eagle3LayerPlan | None] = {}
         self.buffers: PlanBuffers | None = None
+        self.logits: torch.Tensor | None = None
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, query_lens: list[int], starts: list[int],
                  block_ids: Sequence[Sequence[int]], block_size: int) -> torch.Tensor | None:
@@ -123,6 +127,7 @@ class Eagle3PlanRunner:
             head = self.head
             self.buffers = PlanBuffers(head.layer.self_attn, head.layer.mlp, head.norm.weight.shape[0],
                                        MAX_PLAN_ROWS, embeds.dtype, head.fc.in_features)
+            self.logits = embeds.new_zeros(MAX_PLAN_ROWS, head.draft_vocab_size)
         if not self._runs_as_decodes(query_lens, starts, block_size):
             return None
         plan = self._plan(rows)
@@ -139,7 +144,7 @@ class Eagle3PlanRunner:
     def _plan(self, rows: int) -> Eagle3LayerPlan | None:
         if rows not in self.plans:
             try:
-                self.plans[rows] = Eagle3LayerPlan(self.head, rows, self.buffers)
+                self.plans[rows] = Eagle3LayerPlan(self.head, rows, self.buffers, self.logits)
             except Unsupported as e:
                 logger.debug("EAGLE-3 head plan for %d rows off: %s", rows, e)
                 self.plans[rows] = None
@@ -147,11 +152,12 @@ class Eagle3PlanRunner:
 
     def _runs_as_decodes(self, query_lens: list[int], starts: list[int], block_size: int) -> bool:
         """`rows_run_as_decodes` for the pass's requests: each row's blocks within the buffers'
-        table, and every request of several rows a chunk the attention runs as decodes."""
+        table, and every request but a decode (one row after cached ones) a chunk the attention
+        runs as decodes."""
         max_blocks = self.buffers.block_table.shape[1]
         for n, start in zip(query_lens, starts):
             if -(-(start + n) // block_size) > max_blocks:
                 return False
-            if n > 1 and not causal_chunk_runs_as_decodes(start, n, self.attn.sliding_window):
+            if (n > 1 or start == 0) and not causal_chunk_runs_as_decodes(start, n, self.attn.sliding_window):
                 return False
         return True
