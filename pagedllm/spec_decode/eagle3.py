@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import Linear, QKVParallelLinear
-from pagedllm.model_executor.layers.quantization import WeightOnlyQuant, quantize_weight
+from pagedllm.model_executor.layers.quantization import int4_kernels_take, quantize_weight
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.loader.quantize import linear_max_rows
@@ -144,16 +144,8 @@ def load_eagle3_head(path: str, config: Any, num_aux: int, dtype: torch.dtype, d
     if quantization is not None:
         for module in head.modules():
             if isinstance(module, Linear):
-                module.quant = _few_row_copy(module.weight.data, linear_max_rows(module.weight.dtype))
+                # int4 where pagedllm's kernels take the shape (the copy the decode plans bind), else int8
+                method = "int4" if int4_kernels_take(module.weight) else "int8"
+                module.quant = quantize_weight(module.weight.data, method, linear_max_rows(module.weight.dtype))
     return head.eval()
 
-
-def _few_row_copy(weight: torch.Tensor, max_rows: int) -> WeightOnlyQuant:
-    """int4 where pagedllm's kernels take the shape (the copy the decode plans bind), else int8;
-    the float weight then holds the kept copy's dequantized values."""
-    trial = weight.clone()
-    quant = quantize_weight(trial, "int4", max_rows)
-    if quant.method == "int4" and quant.layout == "pagedllm":
-        weight.copy_(trial)
-        return quant
-    return quantize_weight(weight, "int8", max_rows)

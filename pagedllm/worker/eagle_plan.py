@@ -119,7 +119,7 @@ class Eagle3PlanRunner:
         rows = embeds.shape[0]
         if rows > MAX_PLAN_ROWS:
             return None
-        key = (self.attn.kv_cache.data_ptr(), torch.get_num_threads())
+        key = self._key()
         if key != self.key:
             if self.attn.kv_cache.numel() == 0 or not envs.PAGEDLLM_DECODE_PLAN:
                 return None
@@ -136,10 +136,13 @@ class Eagle3PlanRunner:
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor | None:
         """The drafts' logits from the head's output rows, on the plans' bound calls where the
         plans run (else None: the head's modules)."""
-        if self.key != (self.attn.kv_cache.data_ptr(), torch.get_num_threads()) or out.shape[0] > MAX_PLAN_ROWS:
+        if self.key != self._key() or out.shape[0] > MAX_PLAN_ROWS:
             return None
         plan = self._plan(out.shape[0])
         return None if plan is None else plan.draft_logits(out)
+
+    def _key(self) -> tuple[int, int]:
+        return self.attn.kv_cache.data_ptr(), torch.get_num_threads()
 
     def _plan(self, rows: int) -> Eagle3LayerPlan | None:
         if rows not in self.plans:

@@ -175,6 +175,20 @@ class WeightOnlyQuant(nn.Module):
         )
 
 
+def _on_own_kernels(weight: torch.Tensor, method: str, group: int) -> bool:
+    """Whether pagedllm's C kernels take `weight` quantized by `method` (int4: in groups of
+    `group`, which its kernel needs as whole 128-input blocks); else torch's kernels do."""
+    ours = weight.device.type == "cpu" and cpu_kernels.kernels() is not None
+    return ours and (method == "int8" or group % 128 == 0) and weight.shape[1] <= _MAX_KERNEL_K
+
+
+def int4_kernels_take(weight: torch.Tensor) -> bool:
+    """Whether `quantize_weight(weight, "int4", ...)` gives an int4 copy in pagedllm's layout
+    (the one the decode plans bind), rather than int8 or torch's int4."""
+    group = int4_group_size(*weight.shape)
+    return group is not None and _on_own_kernels(weight, "int4", group)
+
+
 def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back: bool = True) -> WeightOnlyQuant:
     """Quantize a [out, in] weight; with `write_back`, overwrite it in place with its
     dequantized values so the float path computes the same model as the kernel (up to the
@@ -186,9 +200,7 @@ def quantize_weight(weight: torch.Tensor, method: str, max_rows: int, write_back
         method, group = "int8", 0
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown quantization method {method!r}")
-    # pagedllm's int4 kernel takes 128-input blocks whole within a group.
-    ours = weight.device.type == "cpu" and cpu_kernels.kernels() is not None
-    ours = ours and (method == "int8" or group % 128 == 0) and k <= _MAX_KERNEL_K
+    ours = _on_own_kernels(weight, method, group)
     # Written into the whole as the slices come, not collected and concatenated: no second copy
     # at the peak, and nothing kept is allocated between one slice's temporaries and the next's
     # (the heap would grow by their holes).
