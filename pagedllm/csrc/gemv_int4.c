@@ -156,6 +156,68 @@ INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, cons
     }
 }
 
+#if defined(PL_AVX2) && !defined(__AVXVNNI__)
+/* w4_8rows for 8-bit activations (x2 NULL) on AVX2 without VNNI, the LM head's ranking: a
+ * block's int16 sums widen straight into its group's float sum (no int32 accumulator to zero and
+ * keep when a group is one block), and the zero points' terms of the 8 weight rows go as one
+ * vector per group instead of a scalar per row, so the 4 rows' sums stay in registers. The
+ * same integer sums and the same float operations in the same order as w4_8rows: the same bits. */
+INLINE void w4a8_8rows(const int8_t *x1, int64_t kp, const int M, const uint8_t *w, const float *sz, int64_t g,
+                       const float *xsum, int64_t k, const float *sx, int64_t n, int64_t nn, void *y, int y_bf16) {
+    const int64_t groups = k / g, blocks = g / 128;
+    const __m256i lo_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[4][8], fz[4];
+    float out[8];
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *wrow = w + (nn + j) * (k / 2);
+        const float *s = sz + (nn + j) * groups * 2;
+        if (nn + 16 <= n) /* the next tile's row: the stream alone lags the arithmetic */
+            for (int64_t off = 0; off < k / 2; off += 64) _mm_prefetch((const char *)wrow + 8 * (k / 2) + off, _MM_HINT_T0);
+        __m256 f[4];
+        for (int r = 0; r < M; r++) f[r] = _mm256_setzero_ps();
+        for (int64_t gi = 0; gi < groups; gi++) {
+            __m256i a[4];
+            for (int64_t bi = 0; bi < blocks; bi++) {
+                const int64_t k0 = (gi * blocks + bi) * 128;
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2 + 32));
+                __m256i l0 = _mm256_and_si256(v0, lo_mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
+                __m256i l1 = _mm256_and_si256(v1, lo_mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
+                for (int r = 0; r < M; r++) {
+                    const int8_t *p = x1 + r * kp + k0;
+                    __m256i s16 = _mm256_add_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)p)),
+                                         _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(p + 64)))),
+                        _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(p + 32))),
+                                         _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(p + 96)))));
+                    __m256i d = _mm256_madd_epi16(s16, ones);
+                    a[r] = bi ? _mm256_add_epi32(a[r], d) : d;
+                }
+            }
+            const __m256 sv = _mm256_set1_ps(s[2 * gi]);
+            for (int r = 0; r < M; r++) f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), sv, f[r]);
+        }
+        for (int r = 0; r < M; r++) acc[r][j] = f[r];
+    }
+    for (int r = 0; r < M; r++) fz[r] = _mm256_setzero_ps();
+    const int64_t rs = groups * 2; /* one weight row's scale pairs */
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const float *z = sz + nn * rs + 2 * gi + 1;
+        const __m256 zv = _mm256_setr_ps(z[0], z[rs], z[2 * rs], z[3 * rs], z[4 * rs], z[5 * rs], z[6 * rs], z[7 * rs]);
+        for (int r = 0; r < M; r++)
+            fz[r] = _mm256_add_ps(fz[r], _mm256_mul_ps(zv, _mm256_set1_ps(xsum[r * groups + gi])));
+    }
+    for (int r = 0; r < M; r++) {
+        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_add_ps(hsum8(acc[r]), fz[r]), _mm256_set1_ps(sx[r])));
+        for (int j = 0; j < 8; j++) store1(y, y_bf16, r * n + nn + j, out[j]);
+    }
+}
+#define W4A8_8(MM) \
+    w4a8_8rows(x1 + r0 * kp, kp, MM, w, sz, g, xsum + r0 * groups, k, sx + r0, n, nb * 8, (char *)y + r0 * n * ybytes, y_bf16)
+#else
+#define W4A8_8(MM) W4_8(MM, NULL)
+#endif
+
 /* m activation rows, 8 weight rows at a time: each 8-row block of the weight meets every
  * activation row, 4 at a time, while it is in L1, so the weight streams from memory once
  * whatever m is (a pass per 4 rows read the LM head's 84 MB copy again for a fifth row). */
@@ -173,10 +235,10 @@ static void w4_m8(const int8_t *x1, const int8_t *x2, int64_t kp, int64_t m, con
             int M = m - r0 < 4 ? (int)(m - r0) : 4;
             const int8_t *x2r = x2 ? x2 + r0 * kp : NULL;
             switch (M + (x2 ? 4 : 0)) {
-                case 1: W4_8(1, NULL); break;
-                case 2: W4_8(2, NULL); break;
-                case 3: W4_8(3, NULL); break;
-                case 4: W4_8(4, NULL); break;
+                case 1: W4A8_8(1); break;
+                case 2: W4A8_8(2); break;
+                case 3: W4A8_8(3); break;
+                case 4: W4A8_8(4); break;
                 case 5: W4_8(1, x2r); break;
                 case 6: W4_8(2, x2r); break;
                 case 7: W4_8(3, x2r); break;

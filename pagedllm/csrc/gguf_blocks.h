@@ -295,14 +295,11 @@ INLINE __m256i gg_x8_step(const int type, const uint8_t *unit, int b, int j) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(unit + (type == GG_Q5_0 ? 48 : 16) + 32 * (j % 4)));
         v = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), m4);
         if (type == GG_Q4_0) return v;
-        /* Q5_0's fifth bits: bits 4j .. 4j + 3 of each row's qh */
-        /* byte j / 2 of each row's qh into its 4 bytes; byte s keeps bit 4 (j % 2) + s, as 0x10 */
-        const __m256i spread = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0,
-                                                                0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
-                                               _mm256_set1_epi8((char)(j / 2)));
-        const __m256i bit = _mm256_set1_epi32((int)(0x08040201u << (4 * (j % 2))));
-        __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(unit + 16)), spread), bit);
-        return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(h, bit), _mm256_set1_epi8(16)));
+        /* Q5_0's fifth bits: byte s of each row's reordered qh holds value 4j + s's at bit j;
+         * moved to bit 4 (16-bit shifts: no other byte's bit lands there) */
+        __m256i h = _mm256_loadu_si256((const __m256i *)(unit + 16));
+        h = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+        return _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
     }
     if (type == GG_Q4_K) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 128 + 32 * (8 * (b / 2) + j)));

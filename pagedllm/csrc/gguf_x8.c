@@ -16,15 +16,27 @@
  *     [144, 1680) for half h, quad j (96 bytes): each row's qh[32 h + 4 j ..], then for chunk c
  *     (0-1) each row's ql[64 h + 32 c + 4 j ..], in the order the kernel reads them; [1680,
  *     1728) zeros, so that units start on cache lines.
- *   Q5_0 unit (176 bytes): [0, 16) each row's d; [16, 48) each row's qh; [48, 176) for quad c
+ *   Q5_0 unit (176 bytes): [0, 16) each row's d; [16, 48) each row's qh, its bits reordered
+ *     (gg_q5_0_qh_x8): bit 8 s + j holds the fifth bit of value 4 j + s, so the fifth bits of a
+ *     step's 4 values of every row are one shift and mask away; [48, 176) for quad c
  *     (0-3) each row's qs[4 c ..] (32 bytes): its low nibbles are values 4c .., its high ones
- *     16 + 4c .., and qh's bits the fifth bits of both.
+ *     16 + 4c ..
  *   Q4_0 unit (144 bytes): [0, 16) each row's d; [16, 144) Q5_0's qs layout.
  * The integer sums and the float operations per (row, super-block) are gg_row's (gguf.c), in the
  * same order, so a repacked weight gives the file layout's results bit for bit, whatever the
  * batch. The panels (many rows, gguf_panel.c) are built from the units; the portable build,
  * which has no x8 kernels, reads each group back in the file's layout (gg_x8_file_rows). */
 #include "gguf_blocks.h"
+
+/* A Q5_0 row's qh word in the unit's bit order (to_x8: bit 4 j + s to bit 8 s + j), or back */
+static void gg_q5_0_qh_x8(uint8_t *p, int to_x8) {
+    uint32_t w, out = 0;
+    memcpy(&w, p, 4);
+    for (int s = 0; s < 4; s++)
+        for (int j = 0; j < 8; j++)
+            out |= to_x8 ? ((w >> (4 * j + s)) & 1u) << (8 * s + j) : ((w >> (8 * s + j)) & 1u) << (4 * j + s);
+    memcpy(p, &out, 4);
+}
 
 /* 8 rows (row r at rows + r * row_bytes, nsb units) to or from their units at x8 */
 static void gg_x8_move(int type, uint8_t *rows, int64_t row_bytes, int64_t nsb, uint8_t *x8, int to_x8) {
@@ -42,6 +54,7 @@ static void gg_x8_move(int type, uint8_t *rows, int64_t row_bytes, int64_t nsb, 
                 else
                     gg_piece_copy(blk + p->src, unit + p->dst, p->len);
             }
+            if (type == GG_Q5_0) gg_q5_0_qh_x8(to_x8 ? unit + 16 + 4 * r : blk + 2, to_x8);
         }
 }
 
@@ -136,6 +149,30 @@ INLINE __m256 gg_x8_sum(const __m256 *A) {
                          _mm256_add_ps(_mm256_add_ps(A[1], A[5]), _mm256_add_ps(A[3], A[7])));
 }
 
+/* Without VNNI a vpdpbusd is three instructions (vpmaddubsw, vpmaddwd with ones, vpaddd), so the
+ * kernels below add vpmaddubsw's int16 pairs over as many steps as stay under 2^15 (gguf.c's
+ * bounds: 8 steps for 4-bit quants, 4 for 5-bit, 2 for 6-bit), then widen them with one vpmaddwd
+ * whose int16 operand is the sub-block's scale where there is one. The integer sums are the
+ * same, so are the results. */
+INLINE __m256i gg_mb(__m256i u, const int8_t *x) { return _mm256_maddubs_epi16(u, gg_bcast4(x)); }
+
+/* Bytes s and s + 1 (s = 0 or 2) of each dword as its two int16 halves */
+INLINE __m256i gg_byte_pair16(__m256i v, int s) {
+    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12, -128,
+                                                          13, -128, 0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128,
+                                                          12, -128, 13, -128),
+                                         _mm256_set1_epi16((short)(s | s << 8)));
+    return _mm256_shuffle_epi8(v, pick);
+}
+
+/* Byte s (0-3) of each dword in both of its int16 halves */
+INLINE __m256i gg_byte_twice16(__m256i v, int s) {
+    return _mm256_shuffle_epi8(v, _mm256_add_epi8(_mm256_setr_epi8(0, -128, 0, -128, 4, -128, 4, -128, 8, -128, 8, -128,
+                                                                   12, -128, 12, -128, 0, -128, 0, -128, 4, -128, 4,
+                                                                   -128, 8, -128, 8, -128, 12, -128, 12, -128),
+                                                  _mm256_set1_epi16((short)s)));
+}
+
 /* out[r] (lane c: row c of the group) = activation row r0 + r . the group's row c, r < M */
 INLINE void gg_x8_q4k(const int M, const uint8_t *grp, int64_t nsb, const gg_act *act, int64_t r0, __m256 *out) {
     const gg_act local = *act, *a = &local; /* see gg_row */
@@ -166,20 +203,31 @@ INLINE void gg_x8_q4k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
             for (int j = 0; j < 8; j++) {
                 __m256i lo = gg_x8_step(GG_Q4_K, u, 2 * p, j), hi = gg_x8_step(GG_Q4_K, u, 2 * p + 1, j);
                 for (int r = 0; r < M; r++) {
+#if GG_VNNI
                     d0[r] = GG_DPBUSD(d0[r], lo, gg_bcast4(xq[r] + 64 * p + 4 * j));
                     d1[r] = GG_DPBUSD(d1[r], hi, gg_bcast4(xq[r] + 64 * p + 32 + 4 * j));
+#else
+                    d0[r] = _mm256_add_epi16(d0[r], gg_mb(lo, xq[r] + 64 * p + 4 * j));
+                    d1[r] = _mm256_add_epi16(d1[r], gg_mb(hi, xq[r] + 64 * p + 32 + 4 * j));
+#endif
                 }
             }
             /* sub-blocks 2p and 2p + 1: bytes 2 (p % 2) and 2 (p % 2) + 1 of sc[p / 2] */
+#if GG_VNNI
             __m256i s0 = gg_byte_of(sc[p / 2], 2 * (p % 2)), s1 = gg_byte_of(sc[p / 2], 2 * (p % 2) + 1);
             for (int r = 0; r < M; r++)
                 I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_mullo_epi32(d0[r], s0), _mm256_mullo_epi32(d1[r], s1)));
-        }
-        for (int s = 0; s < 8; s++) {
-            __m256i mv = gg_byte_of(mn[s / 4], s % 4);
+#else
+            __m256i s0 = gg_byte_twice16(sc[p / 2], 2 * (p % 2)), s1 = gg_byte_twice16(sc[p / 2], 2 * (p % 2) + 1);
             for (int r = 0; r < M; r++)
-                Imin[r] = _mm256_add_epi32(
-                    Imin[r], _mm256_mullo_epi32(mv, _mm256_set1_epi32(a->b32[(r0 + r) * a->nb8 + 8 * g + s])));
+                I[r] = _mm256_add_epi32(I[r], _mm256_add_epi32(_mm256_madd_epi16(d0[r], s0), _mm256_madd_epi16(d1[r], s1)));
+#endif
+        }
+        /* the mins of sub-blocks s, s + 1 as int16 pairs, against the pair of activation sums */
+        for (int s = 0; s < 8; s += 2) {
+            __m256i mv = gg_byte_pair16(mn[s / 4], s % 4);
+            for (int r = 0; r < M; r++)
+                Imin[r] = GG_DPWSSD(Imin[r], mv, gg_bcast4((const int8_t *)(a->b32 + (r0 + r) * a->nb8 + 8 * g + s)));
         }
         const __m256i dd = _mm256_loadu_si256((const __m256i *)u);
         const __m256 D = gg_dword_halves(dd, 0), Dmin = _mm256_xor_ps(gg_dword_halves(dd, 1), _mm256_set1_ps(-0.0f));
@@ -190,6 +238,12 @@ INLINE void gg_x8_q4k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
         }
     }
     for (int r = 0; r < M; r++) out[r] = gg_x8_sum(acc[r]);
+}
+
+/* Scale i of the 8 rows (Q6_K: int8 at u + 16 + 8 i) in both int16 halves of each row's dword */
+INLINE __m256i gg_q6k_scale_twice16(const uint8_t *u, int i) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)(u + 16 + 8 * i));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
 }
 
 INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act *act, int64_t r0, __m256 *out) {
@@ -212,6 +266,7 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
 #pragma GCC unroll 8
         for (int hec = 0; hec < 8; hec++) {
             const int h = hec / 4, e = hec / 2 % 2, c = hec % 2;
+#if GG_VNNI
             __m256i dt[2][GG_TILE]; /* sub-block 4h + c + 2i: its dot less 32 x the activations' sum */
             for (int i = 0; i < 2; i++)
                 for (int r = 0; r < M; r++) dt[i][r] = _mm256_set1_epi32(-32 * xs[r][2 * (4 * h + c + 2 * i) + e]);
@@ -229,7 +284,34 @@ INLINE void gg_x8_q6k(const int M, const uint8_t *grp, int64_t nsb, const gg_act
                 __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * (2 * b + e))));
                 for (int r = 0; r < M; r++) I[r] = _mm256_add_epi32(I[r], _mm256_mullo_epi32(dt[i][r], scv));
             }
+#else /* two steps' int16 pairs at a time, widened by the scale; the offset after the loop */
+            for (int i = 0; i < 2; i++) {
+                const int b = 4 * h + c + 2 * i;
+                const __m256i scv = gg_q6k_scale_twice16(u, 2 * b + e);
+#pragma GCC unroll 2
+                for (int jj = 0; jj < 4; jj += 2) {
+                    const int j = 4 * e + jj;
+                    __m256i q0 = gg_x8_step(GG_Q6_K, u, b, j), q1 = gg_x8_step(GG_Q6_K, u, b, j + 1);
+                    for (int r = 0; r < M; r++) {
+                        __m256i t = _mm256_add_epi16(gg_mb(q0, xq[r] + 32 * b + 4 * j), gg_mb(q1, xq[r] + 32 * b + 4 * j + 4));
+                        I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(t, scv));
+                    }
+                }
+            }
+#endif
         }
+#if !GG_VNNI
+        /* 32 x each scale times its 16 activations' sum, taken off: scales 2i and 2i + 1 of
+         * each row as an int16 pair, against the pair of sums */
+        __m256i O[GG_TILE];
+        for (int r = 0; r < M; r++) O[r] = _mm256_setzero_si256();
+        for (int i = 0; i < 16; i += 2) {
+            __m256i sp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * i)),
+                                                                _mm_loadl_epi64((const __m128i *)(u + 24 + 8 * i))));
+            for (int r = 0; r < M; r++) O[r] = _mm256_add_epi32(O[r], _mm256_madd_epi16(sp, gg_bcast4((const int8_t *)(xs[r] + i))));
+        }
+        for (int r = 0; r < M; r++) I[r] = _mm256_sub_epi32(I[r], _mm256_slli_epi32(O[r], 5));
+#endif
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
         for (int r = 0; r < M; r++) {
             __m256 xd = _mm256_set1_ps(a->d[(r0 + r) * a->nb8 + 8 * g]), *A = &acc[r][g % 8];
@@ -252,6 +334,7 @@ INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_
         const uint8_t *u = grp + b * GG_X8_UNIT(type);
         for (int off = 0; off < GG_X8_UNIT(type); off += 64) /* as gg_legacy_group: the stream alone lags */
             _mm_prefetch((const char *)u + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
+#if GG_VNNI
         /* C independent sums a row (4 for one row, 2 for two): one chain of 8 dependent vpdpbusd
          * would bound a unit at ~40 cycles */
         const int C = M >= 3 ? 1 : 4 / M;
@@ -264,6 +347,24 @@ INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_
             for (int r = 0; r < M; r++)
                 I[r][j % C] = GG_DPBUSD(I[r][j % C], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
         }
+#else /* int16 pairs over 8 steps (Q4_0) or 4 (Q5_0), then widened */
+        const int S = type == GG_Q4_0 ? 8 : 4;
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i I[GG_TILE][1], t[GG_TILE];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i q = gg_x8_step(type, u, 0, j);
+            for (int r = 0; r < M; r++) {
+                __m256i p = gg_mb(q, a->q + (r0 + r) * a->kq + 32 * b + 4 * j);
+                t[r] = j % S ? _mm256_add_epi16(t[r], p) : p;
+                if (j % S == S - 1) {
+                    __m256i w = _mm256_madd_epi16(t[r], ones);
+                    I[r][0] = j < S ? w : _mm256_add_epi32(I[r][0], w);
+                }
+            }
+        }
+        const int C = 1;
+#endif
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
         for (int r = 0; r < M; r++) {
             const int64_t at = (r0 + r) * a->nb8 + b;
