@@ -157,6 +157,17 @@ INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, cons
 }
 
 #if defined(PL_AVX2) && !defined(__AVXVNNI__)
+/* A 128-input block's dot product with one activation row, in 8 int32 lanes: the 4 vpmaddubsw
+ * results' int16 pairs added first (at most 4 * 2 * 15 * 127) */
+INLINE __m256i w4a8_dot(__m256i l0, __m256i h0, __m256i l1, __m256i h1, const int8_t *p, __m256i ones) {
+    __m256i s16 = _mm256_add_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)p)),
+                         _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(p + 64)))),
+        _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(p + 32))),
+                         _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(p + 96)))));
+    return _mm256_madd_epi16(s16, ones);
+}
+
 /* w4_8rows for 8-bit activations (x2 NULL) on AVX2 without VNNI, the LM head's ranking: a
  * block's int16 sums widen straight into its group's float sum (no int32 accumulator to zero and
  * keep when a group is one block), and the zero points' terms of the 8 weight rows go as one
@@ -177,22 +188,16 @@ INLINE void w4a8_8rows(const int8_t *x1, int64_t kp, const int M, const uint8_t 
         for (int r = 0; r < M; r++) f[r] = _mm256_setzero_ps();
         for (int64_t gi = 0; gi < groups; gi++) {
             __m256i a[4];
-            for (int64_t bi = 0; bi < blocks; bi++) {
+            for (int64_t bi = 0; bi < blocks; bi++) { /* the group's first block sets a[r], the rest add */
                 const int64_t k0 = (gi * blocks + bi) * 128;
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2));
                 __m256i v1 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2 + 32));
                 __m256i l0 = _mm256_and_si256(v0, lo_mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
                 __m256i l1 = _mm256_and_si256(v1, lo_mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
-                for (int r = 0; r < M; r++) {
-                    const int8_t *p = x1 + r * kp + k0;
-                    __m256i s16 = _mm256_add_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)p)),
-                                         _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(p + 64)))),
-                        _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(p + 32))),
-                                         _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(p + 96)))));
-                    __m256i d = _mm256_madd_epi16(s16, ones);
-                    a[r] = bi ? _mm256_add_epi32(a[r], d) : d;
-                }
+                if (bi == 0)
+                    for (int r = 0; r < M; r++) a[r] = w4a8_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones);
+                else
+                    for (int r = 0; r < M; r++) a[r] = _mm256_add_epi32(a[r], w4a8_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones));
             }
             const __m256 sv = _mm256_set1_ps(s[2 * gi]);
             for (int r = 0; r < M; r++) f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), sv, f[r]);
