@@ -57,24 +57,35 @@ typedef __m256i wvec;
 /* A 128-input block is 64 bytes; a vector of W4_BYTES of it holds, in its low nibbles, inputs
  * [j, j + W4_BYTES) and in its high ones inputs [64 + j, 64 + j + W4_BYTES), j = its offset. */
 #if defined(PL_AVX2) && !defined(__AVXVNNI__)
-/* Without VNNI: a block's 4 vpmaddubsw results (each pair at most 2 * 15 * 128 = 3840) add up
- * in int16 (at most 15360) before one vpmaddwd widens them: half the multiplies. */
+/* A 128-input block's 64 bytes as its 4 vectors of nibbles: l0 / h0 inputs [0, 32) / [64, 96),
+ * l1 / h1 inputs [32, 64) / [96, 128) */
+INLINE void w4_unpack(const uint8_t *wb, __m256i lo_mask, __m256i *l0, __m256i *h0, __m256i *l1, __m256i *h1) {
+    __m256i v0 = _mm256_loadu_si256((const __m256i *)wb), v1 = _mm256_loadu_si256((const __m256i *)(wb + 32));
+    *l0 = _mm256_and_si256(v0, lo_mask), *h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
+    *l1 = _mm256_and_si256(v1, lo_mask), *h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
+}
+
+/* Without VNNI: a block's dot product with one activation row (p) in 8 int32 lanes, its 4
+ * vpmaddubsw results (each pair at most 2 * 15 * 128 = 3840) added in int16 (at most 15360)
+ * before one vpmaddwd widens them: half the multiplies. */
+INLINE __m256i w4_dot(__m256i l0, __m256i h0, __m256i l1, __m256i h1, const int8_t *p, __m256i ones) {
+    __m256i s16 = _mm256_add_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)p)),
+                         _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(p + 64)))),
+        _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(p + 32))),
+                         _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(p + 96)))));
+    return _mm256_madd_epi16(s16, ones);
+}
+
 INLINE void w4_block(__m256i *a, __m256i *b, int M, const uint8_t *wb, const int8_t *x1, const int8_t *x2, int64_t kp,
                      __m256i lo_mask) {
-    __m256i v0 = _mm256_loadu_si256((const __m256i *)wb), v1 = _mm256_loadu_si256((const __m256i *)(wb + 32));
-    __m256i l0 = _mm256_and_si256(v0, lo_mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
-    __m256i l1 = _mm256_and_si256(v1, lo_mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
-#define W4_SUM16(p)                                                                                                 \
-    _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)(p))),          \
-                                      _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)((p) + 64)))),   \
-                     _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)((p) + 32))),   \
-                                      _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)((p) + 96)))))
+    __m256i l0, h0, l1, h1;
+    w4_unpack(wb, lo_mask, &l0, &h0, &l1, &h1);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < M; r++) {
-        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(W4_SUM16(x1 + r * kp), ones));
-        if (x2) b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(W4_SUM16(x2 + r * kp), ones));
+        a[r] = _mm256_add_epi32(a[r], w4_dot(l0, h0, l1, h1, x1 + r * kp, ones));
+        if (x2) b[r] = _mm256_add_epi32(b[r], w4_dot(l0, h0, l1, h1, x2 + r * kp, ones));
     }
-#undef W4_SUM16
 }
 #else
 INLINE void w4_block(wvec *a, wvec *b, int M, const uint8_t *wb, const int8_t *x1, const int8_t *x2, int64_t kp,
@@ -157,17 +168,6 @@ INLINE void w4_8rows(const int8_t *x1, const int8_t *x2, int64_t kp, int M, cons
 }
 
 #if defined(PL_AVX2) && !defined(__AVXVNNI__)
-/* A 128-input block's dot product with one activation row, in 8 int32 lanes: the 4 vpmaddubsw
- * results' int16 pairs added first (at most 4 * 2 * 15 * 127) */
-INLINE __m256i w4a8_dot(__m256i l0, __m256i h0, __m256i l1, __m256i h1, const int8_t *p, __m256i ones) {
-    __m256i s16 = _mm256_add_epi16(
-        _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)p)),
-                         _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(p + 64)))),
-        _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(p + 32))),
-                         _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(p + 96)))));
-    return _mm256_madd_epi16(s16, ones);
-}
-
 /* w4_8rows for 8-bit activations (x2 NULL) on AVX2 without VNNI, the LM head's ranking: a
  * block's int16 sums widen straight into its group's float sum (no int32 accumulator to zero and
  * keep when a group is one block), and the zero points' terms of the 8 weight rows go as one
@@ -175,7 +175,7 @@ INLINE __m256i w4a8_dot(__m256i l0, __m256i h0, __m256i l1, __m256i h1, const in
  * same integer sums and the same float operations in the same order as w4_8rows: the same bits. */
 INLINE void w4a8_8rows(const int8_t *x1, int64_t kp, const int M, const uint8_t *w, const float *sz, int64_t g,
                        const float *xsum, int64_t k, const float *sx, int64_t n, int64_t nn, void *y, int y_bf16) {
-    const int64_t groups = k / g, blocks = g / 128;
+    const int64_t groups = k / g;
     const __m256i lo_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[4][8], fz[4];
     float out[8];
@@ -187,17 +187,13 @@ INLINE void w4a8_8rows(const int8_t *x1, int64_t kp, const int M, const uint8_t 
         __m256 f[4];
         for (int r = 0; r < M; r++) f[r] = _mm256_setzero_ps();
         for (int64_t gi = 0; gi < groups; gi++) {
-            __m256i a[4];
-            for (int64_t bi = 0; bi < blocks; bi++) { /* the group's first block sets a[r], the rest add */
-                const int64_t k0 = (gi * blocks + bi) * 128;
-                __m256i v0 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2));
-                __m256i v1 = _mm256_loadu_si256((const __m256i *)(wrow + k0 / 2 + 32));
-                __m256i l0 = _mm256_and_si256(v0, lo_mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo_mask);
-                __m256i l1 = _mm256_and_si256(v1, lo_mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo_mask);
-                if (bi == 0)
-                    for (int r = 0; r < M; r++) a[r] = w4a8_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones);
-                else
-                    for (int r = 0; r < M; r++) a[r] = _mm256_add_epi32(a[r], w4a8_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones));
+            __m256i a[4], l0, h0, l1, h1;
+            int64_t k0 = gi * g; /* the group's first block sets a[r], the rest add */
+            w4_unpack(wrow + k0 / 2, lo_mask, &l0, &h0, &l1, &h1);
+            for (int r = 0; r < M; r++) a[r] = w4_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones);
+            for (k0 += 128; k0 < (gi + 1) * g; k0 += 128) {
+                w4_unpack(wrow + k0 / 2, lo_mask, &l0, &h0, &l1, &h1);
+                for (int r = 0; r < M; r++) a[r] = _mm256_add_epi32(a[r], w4_dot(l0, h0, l1, h1, x1 + r * kp + k0, ones));
             }
             const __m256 sv = _mm256_set1_ps(s[2 * gi]);
             for (int r = 0; r < M; r++) f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), sv, f[r]);

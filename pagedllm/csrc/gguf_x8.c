@@ -334,23 +334,28 @@ INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_
         const uint8_t *u = grp + b * GG_X8_UNIT(type);
         for (int off = 0; off < GG_X8_UNIT(type); off += 64) /* as gg_legacy_group: the stream alone lags */
             _mm_prefetch((const char *)u + GG_PREFETCH_BYTES + off, _MM_HINT_T0);
+        __m256i I[GG_TILE]; /* each row's block sum */
 #if GG_VNNI
         /* C independent sums a row (4 for one row, 2 for two): one chain of 8 dependent vpdpbusd
          * would bound a unit at ~40 cycles */
         const int C = M >= 3 ? 1 : 4 / M;
-        __m256i I[GG_TILE][4];
+        __m256i part[GG_TILE][4];
         for (int r = 0; r < M; r++)
-            for (int c = 0; c < C; c++) I[r][c] = _mm256_setzero_si256();
+            for (int c = 0; c < C; c++) part[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m256i q = gg_x8_step(type, u, 0, j);
             for (int r = 0; r < M; r++)
-                I[r][j % C] = GG_DPBUSD(I[r][j % C], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
+                part[r][j % C] = GG_DPBUSD(part[r][j % C], q, gg_bcast4(a->q + (r0 + r) * a->kq + 32 * b + 4 * j));
+        }
+        for (int r = 0; r < M; r++) {
+            I[r] = part[r][0];
+            for (int c = 1; c < C; c++) I[r] = _mm256_add_epi32(I[r], part[r][c]);
         }
 #else /* int16 pairs over 8 steps (Q4_0) or 4 (Q5_0), then widened */
         const int S = type == GG_Q4_0 ? 8 : 4;
         const __m256i ones = _mm256_set1_epi16(1);
-        __m256i I[GG_TILE][1], t[GG_TILE];
+        __m256i t[GG_TILE];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m256i q = gg_x8_step(type, u, 0, j);
@@ -359,17 +364,15 @@ INLINE void gg_x8_legacy(const int type, const int M, const uint8_t *grp, int64_
                 t[r] = j % S ? _mm256_add_epi16(t[r], p) : p;
                 if (j % S == S - 1) {
                     __m256i w = _mm256_madd_epi16(t[r], ones);
-                    I[r][0] = j < S ? w : _mm256_add_epi32(I[r][0], w);
+                    I[r] = j < S ? w : _mm256_add_epi32(I[r], w);
                 }
             }
         }
-        const int C = 1;
 #endif
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
         for (int r = 0; r < M; r++) {
             const int64_t at = (r0 + r) * a->nb8 + b;
-            for (int c = 1; c < C; c++) I[r][0] = _mm256_add_epi32(I[r][0], I[r][c]);
-            __m256i Io = _mm256_sub_epi32(I[r][0], _mm256_set1_epi32(GG_OFFSET(type) * (int32_t)a->b32[at]));
+            __m256i Io = _mm256_sub_epi32(I[r], _mm256_set1_epi32(GG_OFFSET(type) * (int32_t)a->b32[at]));
             __m256 *A = &acc[r][b % 8];
             *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Io), _mm256_mul_ps(D, _mm256_set1_ps(a->d[at])), *A);
         }
