@@ -3,6 +3,9 @@
 
     python benchmarks/bench_eagle.py --head /work/models/eagle3-gemma3-270m --method eagle3 --k 1 2 3 4 5
 
+`--head A B ...` runs every head's configurations in the same run (named after each head's
+directory), so with `--paired` two heads are compared on the same prompts at the same time.
+
 - batch 1: each prompt alone (`--paired`: by every configuration's engine in turn), TPOT =
   (time to 128 tokens - time to 1 token) / 127, summed over the prompts; mean acceptance length
   (1 + accepted drafts per verification, as vLLM counts it), and tokens per decode step (which
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -104,7 +108,7 @@ def batched(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target (default: pagedllm's default model)")
-    ap.add_argument("--head", required=True)
+    ap.add_argument("--head", required=True, nargs="+", help="one head, or several to compare")
     ap.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--ngram-k", type=int, default=3)
@@ -129,15 +133,17 @@ def main() -> None:
         return LLM(args.model, speculative_config=spec, **kw) if args.model else LLM(speculative_config=spec, **kw)
 
     configs = [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": args.ngram_k})]
-    for k in args.k:
-        for t in args.draft_confidence_threshold:
-            spec = {"method": args.method, "model": args.head, "num_speculative_tokens": k}
-            configs.append((f"{args.method} k={k}" + (f" c={t}" if t else ""),
-                            spec | ({"draft_confidence_threshold": t} if t else {})))
+    for head in args.head:
+        label = f" {os.path.basename(os.path.normpath(head))}" if len(args.head) > 1 else ""
+        for k in args.k:
+            for t in args.draft_confidence_threshold:
+                spec = {"method": args.method, "model": head, "num_speculative_tokens": k}
+                configs.append((f"{args.method} k={k}" + (f" c={t}" if t else "") + label,
+                                spec | ({"draft_confidence_threshold": t} if t else {})))
     if args.disable_by_batch_size:
         for _, spec in configs[1:]:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
-    rows, reference, batch_reference = [], None, {}
+    rows, reference, batch_reference, coverage = [], None, {}, {}
     paired, tokenizer = {}, None
     if args.paired and not args.no_batch1:  # every engine at once, with a smaller KV cache each
         llms = [engine(spec, kv_cache_memory=1 << 30, max_model_len=4096) for _, spec in configs]
@@ -155,7 +161,10 @@ def main() -> None:
             tpot, outs, c = paired[name] if paired else batch1(llm, prompts, args.max_tokens)
             if reference is None:
                 reference = outs
-                row["draft_vocab_coverage"] = draft_vocab_coverage(args.head, [list(o) for o in outs])
+            if spec is not None and spec.get("model"):
+                if spec["model"] not in coverage:
+                    coverage[spec["model"]] = draft_vocab_coverage(spec["model"], [list(o) for o in reference])
+                row["draft_vocab_coverage"] = coverage[spec["model"]]
             row |= {"batch1_tpot_ms": round(tpot * 1e3, 2), "same_tokens": outs == reference}
             if c["drafts"]:
                 decoded = len(prompts) * (args.max_tokens - 1)  # after each prompt's first token
@@ -174,8 +183,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
+    width = max(len(row["config"]) for row in rows)
     for row in rows:
-        line = f"{row['config']:>18}:"
+        line = f"{row['config']:>{width}}:"
         if "batch1_tpot_ms" in row:
             speedup = rows[0]["batch1_tpot_ms"] / row["batch1_tpot_ms"]
             line += (f" batch-1 TPOT {row['batch1_tpot_ms']:6.2f} ms ({speedup:.2f}x)"
