@@ -20,6 +20,7 @@ directory), so with `--paired` two heads are compared on the same prompts at the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -120,6 +121,9 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's, for every method")
     ap.add_argument("--draft-confidence-threshold", type=float, nargs="+", default=[0.0],
                     help="speculative_config's, each value with each --k (0: off)")
+    ap.add_argument("--draft-context-tokens", choices=("head", "off", "on"), nargs="+", default=["head"],
+                    help="speculative_config's draft_context_tokens (eagle3), each value with each --k and "
+                         "threshold (head: as the head's config.json says)")
     ap.add_argument("--no-batch1", action="store_true", help="only the batched runs (--batch-sizes)")
     ap.add_argument("--paired", action="store_true",
                     help="batch 1 with every configuration's engine at once, each prompt run by all in turn "
@@ -136,10 +140,12 @@ def main() -> None:
     for head in args.head:
         label = f" {os.path.basename(os.path.normpath(head))}" if len(args.head) > 1 else ""
         for k in args.k:
-            for t in args.draft_confidence_threshold:
+            for t, ctx in itertools.product(args.draft_confidence_threshold, args.draft_context_tokens):
                 spec = {"method": args.method, "model": head, "num_speculative_tokens": k}
-                configs.append((f"{args.method} k={k}" + (f" c={t}" if t else "") + label,
-                                spec | ({"draft_confidence_threshold": t} if t else {})))
+                spec |= {"draft_confidence_threshold": t} if t else {}
+                spec |= {"draft_context_tokens": ctx == "on"} if ctx != "head" else {}
+                configs.append((f"{args.method} k={k}" + (f" c={t}" if t else "") +
+                                (f" context {ctx}" if ctx != "head" else "") + label, spec))
     if args.disable_by_batch_size:
         for _, spec in configs[1:]:
             spec["disable_by_batch_size"] = args.disable_by_batch_size

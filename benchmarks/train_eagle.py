@@ -392,7 +392,9 @@ def save(head: Head, args, h: int, layers: int, vocab: int, aux, draft_ids: torc
               "vocab_size": vocab, "draft_vocab_size": len(draft_ids), "rms_norm_eps": head.eps,
               "rope_theta": head.theta, "max_position_embeddings": text.max_position_embeddings,
               "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux)},
+              # its LM head rows start as the target's embedding rows, so the context's other
+              # tokens can be drafted on theirs (pagedllm/spec_decode/context_tokens.py)
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "draft_context_tokens": True},
               "target_layers": layers}
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -226,6 +226,10 @@ class SpeculativeConfig:
     # (the product of the head's probabilities of it and the drafts before it) falls under this;
     # 0: always k drafts. A request may then get fewer drafts, or none, in a step.
     draft_confidence_threshold: float = 0.0
+    # eagle3: the tokens of a request's context outside the head's draft vocabulary are drafts
+    # too, scored on the target's embedding rows (spec_decode/context_tokens.py); None: as the
+    # head's config says (`eagle_config.draft_context_tokens`), else off.
+    draft_context_tokens: bool | None = None
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -528,7 +532,7 @@ def build_model_config(
 
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size", "draft_confidence_threshold"}
+              "disable_by_batch_size", "draft_confidence_threshold", "draft_context_tokens"}
 
 
 def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | None:
@@ -563,6 +567,14 @@ def parse_speculative_config(spec: dict | str | None) -> SpeculativeConfig | Non
             raise ValueError(f"speculative_config.draft_confidence_threshold must be a number in [0, 1), "
                              f"got {threshold!r}")
         config.draft_confidence_threshold = float(threshold)
+    context = spec.get("draft_context_tokens")
+    if context is not None:
+        if method != "eagle3":
+            raise ValueError(f"speculative_config.draft_context_tokens is for EAGLE-3 heads (a draft vocabulary "
+                             f"smaller than the target's), not {method!r}")
+        if not isinstance(context, bool):
+            raise ValueError(f"speculative_config.draft_context_tokens must be true or false, got {context!r}")
+        config.draft_context_tokens = context
     if method == "ngram":
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)

@@ -17,7 +17,7 @@ next catch-up. Drafts are the argmax (a point mass), so verification is lossless
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from pagedllm.model_executor.layers.sampler import greedy_argmax
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, head_dim_of
 from pagedllm.model_executor.models.utils import PACKED_MODULES, DecoderStack, building_in, load_weights
+from pagedllm.spec_decode.context_tokens import context_tokens
 from pagedllm.spec_decode.draft_model import InputBuilder, KVDrafter
 from pagedllm.spec_decode.eagle3 import aux_layer_ids, check_eagle3_config, load_eagle3_head
 from pagedllm.spec_decode.head_files import load_head_tensors
@@ -161,27 +162,38 @@ class EagleProposer(KVDrafter):
         # lookup is a collective every rank takes part in.
         self.embed_rows: dict[int, torch.Tensor] | None = {} if getattr(self.embed, "tp_size", 1) == 1 else None
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
+        self.context = context_tokens(spec, self.head, self.d2t, self.embed, device) if self.d2t is not None else None
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
         # called with (embeds, hidden, query lengths, starts, block ids, block size): the head's
         # rows, or None for its modules; its `draft_logits(rows)` likewise.
         self.layer_plan: Callable[..., torch.Tensor | None] | None = None
 
-    def draft(self, out: torch.Tensor) -> tuple[list[int], list[float] | None]:
+    def draft(self, out: torch.Tensor, req_ids: list[str] | None = None) -> tuple[list[int], list[float] | None]:
         """Each row's draft (a target token id), and with a confidence threshold the head's
-        probability of it (softmax over the head's logits)."""
+        probability of it (softmax over the head's logits, and the context tokens' where the
+        head drafts those: `req_ids` names each row's request)."""
         plan = self.layer_plan
         logits = None if plan is None else plan.draft_logits(out)
+        normed = None if logits is None else plan.normed  # the LM head's input, where the plan ran it
         if logits is None:
             logits = self.draft_logits(out)
         best = greedy_argmax(logits)
         ids = best.tolist()
         if self.d2t is not None:  # the head's draft-vocabulary ids as the target's
             ids = [i + self.d2t[i] for i in ids]
-        if not self.confidence_threshold:
-            return ids, None
-        # One softmax kernel: logsumexp's ~10 ops took a third of a draft's time on CPU.
-        conf = torch.softmax(logits.float(), dim=-1).gather(1, best.unsqueeze(1))
-        return ids, conf.squeeze(1).tolist()
+        conf = None
+        if self.confidence_threshold:
+            # One softmax kernel: logsumexp's ~10 ops took a third of a draft's time on CPU.
+            conf = torch.softmax(logits.float(), dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
+        if self.context is not None and req_ids is not None:
+            top = logits.gather(1, best.unsqueeze(1)).view(-1).tolist()
+            self.context.pick(req_ids, self.head.norm(out) if normed is None else normed, top, ids, conf)
+        return ids, conf
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        """Forget finished requests."""
+        if self.context is not None:
+            self.context.drop(req_ids)
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of the step just run that the head reads: the target's final hidden states,
@@ -246,9 +258,12 @@ class EagleProposer(KVDrafter):
             return proposals
         feats = out[torch.from_numpy(last_rows[[due[a] for a in live]]).to(self.device)]
         drafts: dict[int, list[int]] = {a: [] for a in live}
+        if self.context is not None:
+            for a in live:
+                self.context.update(reqs[due[a]], new_tokens[due[a]])
         chance = dict.fromkeys(live, 1.0)  # the head's probability that every draft so far is right
         for j in range(max(budget)):
-            toks, conf = self.draft(feats)
+            toks, conf = self.draft(feats, [reqs[due[a]].req_id for a in live])
             for n, (a, tok) in enumerate(zip(live, toks)):
                 if conf is not None:
                     chance[a] *= conf[n]

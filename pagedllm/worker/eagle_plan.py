@@ -51,11 +51,11 @@ class Eagle3LayerPlan(DecodePlan):
         self.fused_calls = fc_calls + self.calls  # the first pass over the target's rows
         # The drafts' logits from `rows` rows of the head's output: its final norm and LM head.
         layer_calls, self.calls = self.calls, []
-        self.draft_in, draft_normed = (buffers.normed.new_zeros(n, width) for _ in range(2))
+        self.draft_in, self.draft_normed = (buffers.normed.new_zeros(n, width) for _ in range(2))
         self.logits = logits[:n]
         try:
-            self._rms(head.norm, self.draft_in, draft_normed)
-            self._linear(head.lm_head, draft_normed, self.logits)
+            self._rms(head.norm, self.draft_in, self.draft_normed)
+            self._linear(head.lm_head, self.draft_normed, self.logits)
             self.logit_calls: list | None = self.calls
         except Unsupported:
             self.logit_calls = None
@@ -113,6 +113,7 @@ class Eagle3PlanRunner:
         self.plans: dict[int, Eagle3LayerPlan | None] = {}
         self.buffers: PlanBuffers | None = None
         self.logits: torch.Tensor | None = None
+        self.normed: torch.Tensor | None = None  # the LM head's input rows of the last `draft_logits`
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, query_lens: list[int], starts: list[int],
                  block_ids: Sequence[Sequence[int]], block_size: int) -> torch.Tensor | None:
@@ -136,10 +137,14 @@ class Eagle3PlanRunner:
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor | None:
         """The drafts' logits from the head's output rows, on the plans' bound calls where the
         plans run (else None: the head's modules)."""
+        self.normed = None
         if self.key != self._key() or out.shape[0] > MAX_PLAN_ROWS:
             return None
         plan = self._plan(out.shape[0])
-        return None if plan is None else plan.draft_logits(out)
+        logits = None if plan is None else plan.draft_logits(out)
+        if logits is not None:
+            self.normed = plan.draft_normed
+        return logits
 
     def _key(self) -> tuple[int, int]:
         return self.attn.kv_cache.data_ptr(), torch.get_num_threads()

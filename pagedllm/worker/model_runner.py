@@ -249,6 +249,8 @@ class ModelRunner:
         self.sampling_metadata.drop(sched.finished_req_ids)
         if self.drafter is not None:
             self.drafter.drop(sched.finished_req_ids)
+        if self.eagle is not None:
+            self.eagle.drop(sched.finished_req_ids)
         reqs = self.input_batch.update_states(sched)
         if self.encoder is not None and self.pp.is_first_rank:
             self.encoder.execute(sched, self.input_batch.requests)

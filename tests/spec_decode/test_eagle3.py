@@ -96,22 +96,34 @@ def _head_rows(t: dict[str, torch.Tensor], config: dict, embeds: torch.Tensor, h
     return x + act @ t[p + "mlp.down_proj.weight"].T
 
 
-def _reference_drafts(model: str, head: str, config: dict, aux: list[int], seq: list[int], n: int) -> list[int]:
+def _reference_drafts(model: str, head: str, config: dict, aux: list[int], seq: list[int], n: int,
+                      context: bool = False, probs: list[float] | None = None) -> list[int]:
     """transformers' hidden states entering the `aux` layers over `seq`, fused by fc, then the
-    head's rows (token p + 1, fused hidden p), chained n times on its own pre-norm outputs."""
+    head's rows (token p + 1, fused hidden p), chained n times on its own pre-norm outputs. With
+    `context`, `seq`'s tokens outside the draft vocabulary are candidates too, scored by the normed
+    row against their embedding rows; `probs` gets each draft's softmax probability."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     t = {k: (v.float() if v.is_floating_point() else v) for k, v in _read(head).items()}
     embedding = target.get_input_embeddings().weight  # unscaled rows
+    draft_ids = (torch.arange(len(t["d2t"])) + t["d2t"]).tolist() if "d2t" in t else []
+    others = [tok for tok in dict.fromkeys(seq) if tok not in set(draft_ids)] if context else []
     with torch.no_grad():
         states = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
         feats = torch.cat([states[i][0] for i in sorted(aux)], -1)[:-1] @ t["fc.weight"].T  # in layer order
         tokens, drafts = list(seq[1:]), []
         for _ in range(n):
             out = _head_rows(t, config, embedding[torch.tensor(tokens)], feats)
-            best = int((_rms(out[-1], t["norm.weight"]) @ t["lm_head.weight"].T).argmax())
-            drafts.append(best + int(t["d2t"][best]) if "d2t" in t else best)
+            normed = _rms(out[-1], t["norm.weight"])
+            logits = normed @ t["lm_head.weight"].T
+            best = int(logits.argmax())
+            drafts.append(draft_ids[best] if draft_ids else best)
+            scores = embedding[torch.tensor(others)] @ normed if others else torch.zeros(0)
+            if others and scores.max() > logits[best]:
+                drafts[-1] = others[int(scores.argmax())]
+            if probs is not None:
+                probs.append(float(torch.cat((logits, scores)).softmax(-1).max()))
             tokens.append(drafts[-1])
             feats = torch.cat((feats, out[-1:]))
     return drafts
@@ -267,3 +279,55 @@ def test_the_proposers_embedding_rows_equal_the_lookup(tiny_llama, tmp_path, mon
         assert torch.equal(drafter._embed(tokens), drafter.embed(torch.tensor(tokens))), tokens
         assert 0 < len(drafter.embed_rows) <= 4
     assert set(drafter.embed_rows) == {4}  # [1, 2, 3] and [4] each found it too full, and cleared it
+
+
+def test_context_tokens_outside_the_draft_vocabulary_are_drafted(tiny_gemma3, tmp_path):
+    """`draft_context_tokens` (here from the head's config.json): each draft is the best of the
+    head's draft-vocabulary logits and its normed row's dot products with the embedding rows of
+    the context's other tokens, as the reference computes it, drafts outside the draft vocabulary
+    among them; with a confidence threshold, chains end where the reference's running product of
+    probabilities over both falls under it; greedy output is unchanged; finished requests are
+    forgotten. The user's key turns it off; bad values and heads are clear errors."""
+    from transformers import AutoModelForCausalLM
+
+    model, aux, threshold = tiny_gemma3, [1, 0, 2], 0.2
+    config = _head_config(model, draft_vocab=40, aux=aux)
+    config["eagle_config"]["draft_context_tokens"] = True
+    t = _random_tensors(config, 3)
+    embedding = AutoModelForCausalLM.from_pretrained(model).get_input_embeddings().weight.detach()
+    draft_ids = (torch.arange(40) + t["d2t"]).tolist()
+    t["lm_head.weight"] = embedding[draft_ids].clone()  # as benchmarks/train_eagle.py starts a head
+    t["norm.weight"] *= 8  # surer drafts (the same argmax), so that chains outlast the threshold
+    head = _write_head(str(tmp_path / "head"), config, t)
+    reference = _ids(_engine(model), GREEDY)
+    for c in (0.0, threshold):
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "draft_confidence_threshold": c}
+        llm = LLM(model, kv_cache_memory=1 << 24, speculative_config=spec, dtype="float32")
+        seen = _spy(llm)
+        assert _ids(llm, GREEDY) == reference
+        outside = [i for i, (_, drafts) in enumerate(seen) if set(drafts) - set(draft_ids)]
+        assert outside, seen
+        for seq, drafts in [seen[i] for i in outside[:3]] + seen[:: max(1, len(seen) // 4)]:
+            probs: list[float] = []
+            want = _reference_drafts(model, head, config, aux, seq, K, context=True, probs=probs)
+            chance = torch.tensor(probs).cumprod(0)
+            if c and (chance - c).abs().min() < 1e-4:
+                continue  # too near the threshold for float rounding to decide
+            assert drafts == want[: int((chance >= c).sum())], (seq, probs)
+        requests = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.eagle.context.requests
+        finished = set(requests)  # the workers hear of finished requests with the next step
+        assert len(finished) == len(PROMPTS)
+        _ids(llm, GREEDY, PROMPTS[:1])
+        assert not finished & set(requests)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": K, "draft_context_tokens": False}
+    llm = LLM(model, kv_cache_memory=1 << 24, speculative_config=spec, dtype="float32")
+    assert llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.eagle.context is None
+    with pytest.raises(ValueError, match="draft_context_tokens is for EAGLE-3"):
+        LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_context_tokens": True})
+    with pytest.raises(ValueError, match="true or false"):
+        LLM(model, speculative_config=spec | {"draft_context_tokens": "yes"})
+    whole = _head_config(model, aux=aux)
+    with pytest.raises(ValueError, match="drafts the whole vocabulary"):
+        LLM(model, speculative_config=spec | {"model": _write_head(str(tmp_path / "whole"), whole,
+                                                                   _random_tensors(whole, 1)),
+                                              "draft_context_tokens": True})

@@ -6,6 +6,7 @@ greedy output stays that of no speculation."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm.model_executor.layers import cpu_kernels
 from pagedllm.worker import eagle_plan
@@ -16,12 +17,23 @@ from tests.utils import make_tiny_model
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the plans run pagedllm's C kernels")
 
 
-@pytest.mark.parametrize("arch,dtype", [("gemma3", "float32"), ("llama", "bfloat16")])
-def test_head_plan_drafts_what_the_modules_draft(tmp_path, monkeypatch, arch, dtype):
+@pytest.mark.parametrize("arch,dtype,context", [("gemma3", "float32", False), ("llama", "bfloat16", False),
+                                                ("gemma3", "float32", True)])
+def test_head_plan_drafts_what_the_modules_draft(tmp_path, monkeypatch, arch, dtype, context):
+    """With `context`, a draft vocabulary of 40 and the context's other tokens drafted too
+    (spec_decode/context_tokens.py), on the plan's normed rows or the module's."""
     model = make_tiny_model(str(tmp_path / arch), arch, head_dim=32,
                             **({"query_pre_attn_scalar": 32} if arch == "gemma3" else {}))
-    config = _head_config(model)
-    head = _write_head(str(tmp_path / "head"), config, _random_tensors(config, 7))
+    config = _head_config(model, draft_vocab=40 if context else None)
+    tensors = _random_tensors(config, 7)
+    if context:
+        from transformers import AutoModelForCausalLM
+
+        config["eagle_config"] = {"draft_context_tokens": True}
+        embedding = AutoModelForCausalLM.from_pretrained(model).get_input_embeddings().weight.detach()
+        draft_ids = (torch.arange(40) + tensors["d2t"]).tolist()
+        tensors["lm_head.weight"] = embedding[draft_ids].clone()
+    head = _write_head(str(tmp_path / "head"), config, tensors)
     rows, fused, logits = [], [], []
     real, real_logits = eagle_plan.Eagle3LayerPlan.run_layer, eagle_plan.Eagle3LayerPlan.draft_logits
 
@@ -52,3 +64,5 @@ def test_head_plan_drafts_what_the_modules_draft(tmp_path, monkeypatch, arch, dt
     assert not rows and not logits
     assert with_plan == without
     assert len(with_plan) > 20
+    if context:
+        assert any(set(drafts) - set(draft_ids) for _, drafts in with_plan)
