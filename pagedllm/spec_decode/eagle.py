@@ -13,6 +13,8 @@ fed with the target's hidden rows of that same step (no second pass over the pro
 k - 1 more drafts from its own outputs. Its layers keep K/V in the paged cache at the target's
 block ids, as a draft model's do; positions that held rejected drafts are computed again at the
 next catch-up. Drafts are the argmax (a point mass), so verification is lossless for every request.
+An EAGLE-3 head may also draft the tokens of a request's context that lie outside its draft
+vocabulary (`draft_context_tokens`, spec_decode/context_tokens.py).
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class EagleProposer(KVDrafter):
         self.context = context_tokens(spec, self.head, self.d2t, self.embed, device) if self.d2t is not None else None
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
         # called with (embeds, hidden, query lengths, starts, block ids, block size): the head's
-        # rows, or None for its modules; its `draft_logits(rows)` likewise.
+        # rows, or None for its modules; its `draft_logits(rows)` likewise, and `normed` the LM head's
+        # input rows of that call.
         self.layer_plan: Callable[..., torch.Tensor | None] | None = None
 
     def draft(self, out: torch.Tensor, req_ids: list[str] | None = None) -> tuple[list[int], list[float] | None]:
