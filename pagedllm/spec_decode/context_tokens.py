@@ -86,7 +86,7 @@ class ContextTokens:
             self.requests.pop(req_id, None)
 
 
-def context_tokens(spec: Any, head: Any, d2t: list[int], embed: Callable[[torch.Tensor], torch.Tensor],
+def context_tokens(spec: Any, d2t: list[int], embed: Callable[[torch.Tensor], torch.Tensor],
                    device: torch.device) -> ContextTokens | None:
     """The EAGLE-3 head's context tokens, where the user's speculative config asks for them, or
     else the head's config.json (`eagle_config.draft_context_tokens`); else None."""
@@ -97,7 +97,7 @@ def context_tokens(spec: Any, head: Any, d2t: list[int], embed: Callable[[torch.
     if not on:
         return None
     vocab = spec.eagle_config.vocab_size
-    if head.draft_vocab_size >= vocab:
+    if len(d2t) >= vocab:
         raise ValueError(f"draft_context_tokens: the EAGLE-3 head at {spec.heads_path!r} drafts the whole "
                          f"vocabulary ({vocab} tokens), so no context token is outside it")
     return ContextTokens((i + d for i, d in enumerate(d2t)),

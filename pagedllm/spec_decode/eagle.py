@@ -164,7 +164,7 @@ class EagleProposer(KVDrafter):
         # lookup is a collective every rank takes part in.
         self.embed_rows: dict[int, torch.Tensor] | None = {} if getattr(self.embed, "tp_size", 1) == 1 else None
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
-        self.context = context_tokens(spec, self.head, self.d2t, self.embed, device) if self.d2t is not None else None
+        self.context = context_tokens(spec, self.d2t, self.embed, device) if self.d2t is not None else None
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
         # called with (embeds, hidden, query lengths, starts, block ids, block size): the head's
         # rows, or None for its modules; its `draft_logits(rows)` likewise, and `normed` the LM head's
@@ -266,7 +266,7 @@ class EagleProposer(KVDrafter):
                 self.context.update(reqs[due[a]], new_tokens[due[a]])
         chance = dict.fromkeys(live, 1.0)  # the head's probability that every draft so far is right
         for j in range(max(budget)):
-            toks, conf = self.draft(feats, [reqs[due[a]].req_id for a in live])
+            toks, conf = self.draft(feats, None if self.context is None else [reqs[due[a]].req_id for a in live])
             for n, (a, tok) in enumerate(zip(live, toks)):
                 if conf is not None:
                     chance[a] *= conf[n]
