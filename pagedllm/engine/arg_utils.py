@@ -41,7 +41,7 @@ from pagedllm.config import (
     resolve_device,
 )
 from pagedllm.model_executor.models.registry import ModelRegistry
-from pagedllm.spec_decode.eagle import eagle_config
+from pagedllm.spec_decode.eagle_head import eagle_config
 from pagedllm.spec_decode.medusa import medusa_config
 from pagedllm.spec_decode.mtp import mtp_config
 from pagedllm.structured_output.reasoner import THINK_TAGS
