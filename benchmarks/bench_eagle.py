@@ -14,16 +14,23 @@ directory), so with `--paired` two heads are compared on the same prompts at the
   output tok/s: where speculation stops paying, for `disable_by_batch_size`;
 - each configuration's greedy tokens must equal those without speculation (checked);
 - how many of the answers' tokens the head's draft vocabulary holds (`d2t`): a draft outside it
-  is never right, so this caps the acceptance at every position.
+  is never right, so this caps the acceptance at every position;
+- `--llama-cpp-bin DIR` with `--paired`: llama.cpp's `llama-bench -t 2 -p 0 -n 128 -r 1` (tg128)
+  on the same GGUF takes a turn in the rotation after each prompt, its ms/token the mean of its
+  32 runs (llama.cpp is a peer, never a dependency: docs/performance.md says how it is built).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import itertools
 import json
 import os
+import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 from eagle_prompts import HELD_OUT
@@ -60,17 +67,35 @@ def batch1(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[i
     return decode / (len(prompts) * (max_tokens - 1)), outs, {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def paired_batch1(llms: list[LLM], prompts: list, max_tokens: int) -> list[tuple[float, list[list[int]], dict]]:
+def llama_bench_tg128(bin_dir: str, gguf: str, threads: int = 2) -> Callable[[], float]:
+    """One `llama-bench` tg128 run on `gguf`: seconds per token."""
+    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0", "-n", "128",
+           "-r", "1", "-o", "csv"]
+
+    def run() -> float:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return 1.0 / float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
+    return run
+
+
+def paired_batch1(llms: list[LLM], prompts: list, max_tokens: int,
+                  peer: Callable[[], float] | None = None) -> tuple[list[tuple[float, list[list[int]], dict]], float]:
     """`batch1` for several engines at once, each prompt taken by every engine in turn (the order
-    rotated from prompt to prompt), so that a change in the host's speed falls on all alike."""
+    rotated from prompt to prompt), so that a change in the host's speed falls on all alike; a
+    `peer` (seconds per token of one run) takes its turn in the rotation too. Returns the engines'
+    results and the peer's mean (0 without one)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for llm in llms:
         llm.generate(prompts[:1], params, use_tqdm=False)
     before = [counters(llm) for llm in llms]
-    decode, outs = [0.0] * len(llms), [[] for _ in llms]
+    decode, outs, peer_runs = [0.0] * len(llms), [[] for _ in llms], []
+    slots = len(llms) + (peer is not None)
     for n, p in enumerate(prompts):
-        for i in [(n + j) % len(llms) for j in range(len(llms))]:
+        for i in [(n + j) % slots for j in range(slots)]:
+            if i == len(llms):
+                peer_runs.append(peer())
+                continue
             t0 = time.perf_counter()
             llms[i].generate([p], first, use_tqdm=False)
             t1 = time.perf_counter()
@@ -80,7 +105,18 @@ def paired_batch1(llms: list[LLM], prompts: list, max_tokens: int) -> list[tuple
     for llm, d, o, b in zip(llms, decode, outs, before):
         after = counters(llm)
         results.append((d / (len(prompts) * (max_tokens - 1)), o, {k: after[k] - b.get(k, 0.0) for k in after}))
-    return results
+    return results, sum(peer_runs) / len(peer_runs) if peer_runs else 0.0
+
+
+def target_gguf(model: str | None) -> str:
+    """The GGUF file the target was loaded from (the default model's, when none is named)."""
+    if model is None:
+        from pagedllm.transformers_utils.default_model import resolve_default_model
+
+        return resolve_default_model()
+    if not model.endswith(".gguf"):
+        raise SystemExit(f"--llama-cpp-bin runs llama-bench on a GGUF; --model {model!r} is not one")
+    return model
 
 
 def draft_vocab_coverage(head: str, answers: list[list[int]]) -> dict[str, float] | None:
@@ -128,7 +164,11 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true",
                     help="batch 1 with every configuration's engine at once, each prompt run by all in turn "
                          "(a fair comparison on a host whose speed drifts)")
+    ap.add_argument("--llama-cpp-bin", default=None,
+                    help="with --paired: a directory holding llama.cpp's llama-bench, run on the same GGUF in turn")
     args = ap.parse_args()
+    if args.llama_cpp_bin and not (args.paired and not args.no_batch1):
+        ap.error("--llama-cpp-bin takes its turns in --paired's batch-1 rotation")
     sizes = sorted(set(args.batch_sizes + [16] * args.batch16))
 
     from train_eagle import chat_ids
@@ -155,7 +195,9 @@ def main() -> None:
         llms = [engine(spec, kv_cache_memory=1 << 30, max_model_len=4096) for _, spec in configs]
         tokenizer = llms[0].get_tokenizer()
         prompts = [{"prompt_token_ids": chat_ids(tokenizer, p)} for p in HELD_OUT[: args.num_prompts]]
-        paired = dict(zip((name for name, _ in configs), paired_batch1(llms, prompts, args.max_tokens)))
+        peer = llama_bench_tg128(args.llama_cpp_bin, target_gguf(args.model)) if args.llama_cpp_bin else None
+        results, peer_tpot = paired_batch1(llms, prompts, args.max_tokens, peer)
+        paired = dict(zip((name for name, _ in configs), results))
         del llms
     for name, spec in configs:
         llm = engine(spec) if not paired else None
@@ -202,6 +244,10 @@ def main() -> None:
         if row.get("draft_vocab_coverage"):
             line += f"  answers' tokens in the head's draft vocabulary: {row['draft_vocab_coverage']}"
         print(line)
+    if paired and args.llama_cpp_bin:
+        print(json.dumps({"config": "llama.cpp llama-bench tg128", "batch1_tpot_ms": round(peer_tpot * 1e3, 2)}))
+        print(f"llama.cpp llama-bench tg128: {peer_tpot * 1e3:6.2f} ms/token "
+              f"({rows[0]['batch1_tpot_ms'] / (peer_tpot * 1e3):.2f}x of no speculation's speed)")
 
 
 if __name__ == "__main__":
