@@ -86,10 +86,10 @@ class ContextTokens:
             self.requests.pop(req_id, None)
 
 
-def context_tokens(spec: Any, d2t: list[int], embed: Callable[[torch.Tensor], torch.Tensor],
-                   device: torch.device) -> ContextTokens | None:
+def context_tokens(spec: Any, d2t: list[int], lookup: Callable[[list[int]], torch.Tensor]) -> ContextTokens | None:
     """The EAGLE-3 head's context tokens, where the user's speculative config asks for them, or
-    else the head's config.json (`eagle_config.draft_context_tokens`); else None."""
+    else the head's config.json (`eagle_config.draft_context_tokens`); else None. `lookup`: the
+    proposer's embedding rows of token ids."""
     on = spec.draft_context_tokens
     if on is None:
         eagle = getattr(spec.eagle_config, "eagle_config", None)
@@ -100,5 +100,4 @@ def context_tokens(spec: Any, d2t: list[int], embed: Callable[[torch.Tensor], to
     if len(d2t) >= vocab:
         raise ValueError(f"draft_context_tokens: the EAGLE-3 head at {spec.heads_path!r} drafts the whole "
                          f"vocabulary ({vocab} tokens), so no context token is outside it")
-    return ContextTokens((i + d for i, d in enumerate(d2t)),
-                         lambda ids: embed(torch.tensor(ids, device=device)))
+    return ContextTokens((i + d for i, d in enumerate(d2t)), lookup)

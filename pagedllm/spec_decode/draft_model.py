@@ -61,6 +61,9 @@ class KVDrafter:
         k = self.k if max_drafts is None else min(self.k, max_drafts)
         return max(0, min(k, num_blocks * self.block_size - seq_len + 1, self.max_model_len - seq_len))
 
+    def drop(self, req_ids: Iterable[str]) -> None:
+        """Forget finished requests (a drafter that keeps state per request overrides this)."""
+
 
 class DraftModelProposer(KVDrafter):
     def __init__(self, config: EngineConfig, device: torch.device, generator: torch.Generator,

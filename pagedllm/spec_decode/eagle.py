@@ -82,7 +82,7 @@ class EagleProposer(KVDrafter):
         # lookup is a collective every rank takes part in.
         self.embed_rows: dict[int, torch.Tensor] | None = {} if getattr(self.embed, "tp_size", 1) == 1 else None
         self.attn_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
-        self.context = context_tokens(spec, self.d2t, self.embed, device) if self.d2t is not None else None
+        self.context = context_tokens(spec, self.d2t, self._embed) if self.d2t is not None else None
         # The worker's replay of the head's layer as bound kernel calls (worker/eagle_plan.py):
         # called with (embeds, hidden, query lengths, starts, block ids, block size): the head's
         # rows, or None for its modules; its `draft_logits(rows)` likewise, and `normed` the LM head's
@@ -112,7 +112,6 @@ class EagleProposer(KVDrafter):
         return ids, conf
 
     def drop(self, req_ids: Iterable[str]) -> None:
-        """Forget finished requests."""
         if self.context is not None:
             self.context.drop(req_ids)
 

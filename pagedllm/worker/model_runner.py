@@ -247,10 +247,9 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput) -> None:
         """The step's forward pass (and its prompt logprobs); `sample_tokens` ends the step."""
         self.sampling_metadata.drop(sched.finished_req_ids)
-        if self.drafter is not None:
-            self.drafter.drop(sched.finished_req_ids)
-        if self.eagle is not None:
-            self.eagle.drop(sched.finished_req_ids)
+        kv_drafter = self.drafter or self.eagle
+        if kv_drafter is not None:
+            kv_drafter.drop(sched.finished_req_ids)
         reqs = self.input_batch.update_states(sched)
         if self.encoder is not None and self.pp.is_first_rank:
             self.encoder.execute(sched, self.input_batch.requests)
